@@ -1,0 +1,118 @@
+"""The MoE FFN module: sigmoid router + quantile-balanced bias, routed SwiGLU experts through the
+grouped GEMM, shared expert(s) beside them. Dropless: every routed (token, expert) pair is computed."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .balance import Method, QuantileBalancer
+from .grouped_gemm import BACKENDS, Backend, _grouped_mm, resolve_backend
+from .permute import combine, permute, plan_routing
+from .router import _route
+from .stats import LoadStats
+from .swiglu import swiglu
+
+
+def moe_experts(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, backend: str) -> torch.Tensor:
+    """Routed SwiGLU experts on rows sorted by expert: x_sorted `[N, d]`, w13 `[E, d, 2F]`,
+    w2 `[E, F, d]`, offs int32 `[E]` -> `[N, d]`."""
+    return _grouped_mm(swiglu(_grouped_mm(x_sorted, w13, offs, backend)), w2, offs, backend)
+
+
+class MoELayer(nn.Module):
+    """MoE FFN. forward(x `[..., d_model]`) -> `[..., d_model]`, same dtype.
+
+    Parameters: `router` `[E, d]`, `w13` `[E, d, 2F]` (gate | up), `w2` `[E, F, d]`, and for
+    `n_shared > 0` one wide shared SwiGLU `shared13` `[d, 2·n_shared·F]`, `shared2` `[n_shared·F, d]`
+    (n_shared experts of width F summed equal one of width n_shared·F). The routing bias lives in
+    `balancer.bias` (fp32 buffer). In training each forward is observed; call `step_balance()` once
+    per optimizer step to update the bias and get that step's `LoadStats`. `last_load` holds the
+    tokens per expert `[E]` of the latest forward.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_expert: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        n_shared: int = 1,
+        gate_scale: float = 1.0,
+        balance: bool = True,
+        bias_ema: float = 0.0,
+        n_bins: int = 1000,
+        balance_method: Method = "auto",
+        process_group: dist.ProcessGroup | None = None,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        if d_model < 1:
+            raise ValueError(f"d_model must be >= 1, got {d_model}")
+        if d_expert < 1:
+            raise ValueError(f"d_expert must be >= 1, got {d_expert}")
+        if n_shared < 0:
+            raise ValueError(f"n_shared must be >= 0, got {n_shared}")
+        if not gate_scale > 0:
+            raise ValueError(f"gate_scale must be > 0, got {gate_scale}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.balancer = QuantileBalancer(
+            n_experts, top_k, ema=bias_ema, n_bins=n_bins, method=balance_method,
+            process_group=process_group, enabled=balance,
+        )
+        self.d_model, self.d_expert, self.n_experts, self.top_k = d_model, d_expert, n_experts, top_k
+        self.n_shared, self.gate_scale, self.backend = n_shared, gate_scale, backend
+        self.router = nn.Parameter(torch.empty(n_experts, d_model))
+        self.w13 = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
+        d_shared = n_shared * d_expert
+        self.shared13 = nn.Parameter(torch.empty(d_model, 2 * d_shared)) if n_shared else None
+        self.shared2 = nn.Parameter(torch.empty(d_shared, d_model)) if n_shared else None
+        self.last_load: torch.Tensor | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal init with std 1/sqrt(fan_in) (unit-variance activations); the bias back to 0."""
+        nn.init.normal_(self.router, std=1.0 / math.sqrt(self.d_model))
+        nn.init.normal_(self.w13, std=1.0 / math.sqrt(self.d_model))
+        nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.d_expert))
+        if self.shared13 is not None:
+            nn.init.normal_(self.shared13, std=1.0 / math.sqrt(self.d_model))
+            nn.init.normal_(self.shared2, std=1.0 / math.sqrt(self.shared2.shape[0]))
+        self.balancer.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x must end in d_model={self.d_model}, got shape {tuple(x.shape)}")
+        tokens = x.reshape(-1, self.d_model)
+        routing = _route(tokens, self.router, self.balancer.bias, self.top_k, self.gate_scale)
+        plan = plan_routing(routing.expert_idx, self.n_experts)
+        self.last_load = plan.counts
+        if self.training:
+            self.balancer.observe(routing.scores, routing.alpha, routing.expert_idx)
+        backend = resolve_backend(self.backend, tokens)
+        y = moe_experts(permute(tokens, plan), self.w13, self.w2, plan.offs, backend)
+        out = combine(y, routing.gates, plan)
+        if self.shared13 is not None:
+            out = out + swiglu(tokens @ self.shared13) @ self.shared2
+        return out.view(x.shape)
+
+    def step_balance(self) -> LoadStats | None:
+        """Once per optimizer step: update the routing bias (when `balance`) from the forwards observed
+        since the last call and return their load (None when nothing was observed, e.g. in eval)."""
+        return self.balancer.step()
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_expert={self.d_expert}, n_experts={self.n_experts}, "
+                f"top_k={self.top_k}, n_shared={self.n_shared}, backend={self.backend!r}")
+
+
+def step_moe_balance(model: nn.Module) -> list[LoadStats]:
+    """Step the bias of every MoELayer in model (call after each optimizer step); returns their loads."""
+    stats = [m.step_balance() for m in model.modules() if isinstance(m, MoELayer)]
+    return [s for s in stats if s is not None]
