@@ -1,0 +1,184 @@
+"""Backward: the reverse state pass (dh, dv_new), then one fully parallel kernel for every input gradient.
+
+Writing X = diag(beta) (V - K exp(G) S), so that v_new = Ainv X, the gradient through the UT inverse is
+    dX = Ainv^T dv_new,  dA_kk = -dX v_new^T  (strictly lower),
+which needs reductions over V only; the gated Gram matrices then backpropagate with the same sub-chunk anchors as
+the forward pass. Every place G enters is exp(+G_i) (q, and k as a reader) or exp(-G_j) (k as a writer), so
+dG = q dq + k dk_read - k dk_write, and dg is its reverse cumulative sum plus the chunk-end term.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kda.chunk_intra import anchor_exponents
+from kernels.kda.gate import load_log_decay, log_decay_grad
+
+
+@triton.jit
+def chunk_kda_bwd_dh_kernel(
+    q, k, g, A_log, dt_bias, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    NT = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_s = o_k[:, None] * V + o_v[None, :]
+    dt = w.dtype.element_ty
+
+    b_dS = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dS += tl.load(dht + i_nh.to(tl.int64) * K * V + p_s).to(tl.float32)
+    for i_r in range(NT):
+        i_t = NT - 1 - i_r
+        rows = bos + i_t * BT + o_t
+        m_t = rows < eos
+        tl.store(dh + ((c0 + i_t) * H + i_h) * K * V + p_s, b_dS.to(dh.dtype.element_ty))
+        p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+        p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
+        b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
+        b_G = tl.cumsum(b_g, 0)
+        b_gam = tl.sum(b_g, 0)
+        b_w = tl.load(w + p_k, mask=m_t[:, None], other=0.)
+        b_A = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_t[:, None], other=0.)
+        b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.).to(dt)
+
+        b_kd = (b_k * tl.exp(b_gam[None, :] - b_G)).to(dt)
+        b_dvn = tl.dot(tl.trans(b_A.to(dt)), b_do, input_precision=PREC) * scale
+        b_dvn += tl.dot(b_kd, b_dS.to(dt), input_precision=PREC)
+        tl.store(dvn + p_v, b_dvn.to(dvn.dtype.element_ty), mask=m_t[:, None])
+        b_qg = (b_q * tl.exp(b_G) * scale).to(dt)
+        b_dS = b_dS * tl.exp(b_gam)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
+        b_dS -= tl.dot(tl.trans(b_w), b_dvn.to(dt), input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_s, b_dS)
+
+
+@triton.jit
+def chunk_kda_bwd_kernel(
+    q, k, v, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dq, dk, dv, dg, dbeta, chunks, scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
+    te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_t = rows < te
+    o_k = i_k * BK + tl.arange(0, BK)
+    dt = vn.dtype.element_ty
+    p_h = (i_t.to(tl.int64) * H + i_h) * K * V
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_T = tl.load(Ainv + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_t[:, None], other=0.)
+
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAkk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dqs = tl.zeros([BT, BK], dtype=tl.float32)   # dO S^T
+    b_P = tl.zeros([BT, BK], dtype=tl.float32)     # dX S^T
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)   # v_new dS'^T
+    b_dgam = tl.zeros([BK], dtype=tl.float32)      # sum_v S * dS'
+    b_dbv = tl.zeros([BT], dtype=tl.float32)       # sum_v dX * v
+    for i_v in range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.).to(dt)
+        b_vn = tl.load(vn + p_v, mask=m_t[:, None], other=0.).to(dt)
+        b_dvn = tl.load(dvn + p_v, mask=m_t[:, None], other=0.).to(dt)
+        p_s = p_h + o_k[:, None] * V + o_v[None, :]
+        b_S = tl.load(h + p_s).to(dt)
+        b_dS = tl.load(dh + p_s).to(dt)
+        b_dx = tl.dot(tl.trans(b_T.to(dt)), b_dvn, input_precision=PREC)
+        if i_k == 0:
+            b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.).to(tl.float32)
+            tl.store(dv + p_v, (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
+            b_dbv += tl.sum(b_dx * b_v, 1)
+        b_dx = b_dx.to(dt)
+        b_dAqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dAkk += tl.dot(b_dx, tl.trans(b_vn), input_precision=PREC)
+        b_dqs += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
+        b_P += tl.dot(b_dx, tl.trans(b_S), input_precision=PREC)
+        b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
+        b_dgam += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), 1)
+
+    p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
+    b_G = tl.cumsum(b_g, 0)
+    b_gam = tl.sum(b_g, 0)
+    b_eG = tl.exp(b_G)
+    b_dAqk = tl.where(o_t[:, None] >= o_t[None, :], b_dAqk * scale, 0.)
+    b_dAkk = tl.where(o_t[:, None] > o_t[None, :], -b_dAkk, 0.)
+    b_dAkkb = b_dAkk * b_beta[:, None]
+
+    b_dq = b_dqs * scale * b_eG
+    b_kg_P = b_k * b_eG * b_P
+    b_dk_read = -b_beta[:, None] * b_eG * b_P          # through K exp(G) in X
+    b_dk_write = b_dkd * tl.exp(b_gam[None, :] - b_G)  # through k exp(gamma - G) in the state update
+    b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dk_write, 0)
+    b_R = tl.zeros([BT, BK], dtype=tl.float32)         # sum_j dA_kk[i, j] k_j exp(G_i - G_j)
+    for a in tl.static_range(BT // BC):
+        e_row, e_col = anchor_exponents(b_g, b_G, a, BT, BC)
+        b_kc = b_k * e_col
+        b_dq += e_row * tl.dot(b_dAqk, b_kc, input_precision=PREC)
+        b_R += e_row * tl.dot(b_dAkk, b_kc, input_precision=PREC)
+        b_dk_write += e_col * tl.dot(tl.trans(b_dAqk), b_q * e_row, input_precision=PREC)
+        b_dk_write += e_col * tl.dot(tl.trans(b_dAkkb), b_k * e_row, input_precision=PREC)
+    b_dk_read += b_beta[:, None] * b_R
+    b_dk = b_dk_read + b_dk_write
+    b_dG = b_q * b_dq + b_k * (b_dk_read - b_dk_write)
+    b_dg = tl.cumsum(b_dG, 0, reverse=True) + b_dgam[None, :]
+    if USE_GATE:
+        b_dg *= log_decay_grad(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, HAS_BIAS, G_MIN)
+    b_db = tl.sum(b_k * b_R - b_kg_P, 1)
+    if i_k == 0:
+        b_db += b_dbv
+    tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
+    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
+    tl.store(dg + p_k, b_dg.to(dg.dtype.element_ty), mask=m_t[:, None])
+    tl.store(dbeta + i_k * T * H + rows * H + i_h, b_db, mask=m_t)
+
+
+def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  gate: tuple, Aqk: torch.Tensor, Ainv: torch.Tensor, w: torch.Tensor, vn: torch.Tensor,
+                  h: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, scale: float, has_h0: bool,
+                  cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, chunks: torch.Tensor, prec: str
+                  ) -> tuple[torch.Tensor, ...]:
+    """dq, dk [1, T, H, K]; dv [1, T, H, V]; dg (or dz) [1, T, H, K]; dbeta [1, T, H] fp32; dh0 [N, H, K, V] or None."""
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    N = cu_seqlens.numel() - 1
+    A_log, dt_bias, g_min = gate
+    use_gate, has_bias = A_log is not None, dt_bias is not None
+    dh = torch.empty_like(h)
+    dvn = torch.empty_like(vn)
+    dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if has_h0 else None
+    BV = min(V, 32)
+    chunk_kda_bwd_dh_kernel[(V // BV, N * H)](
+        q, k, g, A_log, dt_bias, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+        H=H, K=K, V=V, BT=64, BV=BV, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min,
+        USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec, num_warps=4,
+    )
+    BK = min(K, 64)
+    NK = K // BK
+    dq, dk, dv, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
+    dbeta = q.new_empty(NK, T, H, dtype=torch.float32)
+    chunk_kda_bwd_kernel[(chunks.shape[0], H, NK)](
+        q, k, v, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dq, dk, dv, dg, dbeta, chunks, scale,
+        T, H=H, K=K, V=V, BT=64, BC=16, BK=BK, BV=min(V, 64), USE_GATE=use_gate, HAS_BIAS=has_bias,
+        G_MIN=g_min, PREC=prec, num_warps=8,
+    )
+    return dq, dk, dv, dg, dbeta.sum(0, keepdim=True), dh0

@@ -1,0 +1,87 @@
+"""Inter-chunk forward: the state recurrence over chunks, fused with the output.
+
+Per chunk with state S [K, V] at its start, G the in-chunk cumulative log-decay and gamma = G at its end:
+    v_new = u - w S;  o = scale (q exp(G)) S + scale A_qk v_new;  S <- exp(gamma) S + (k exp(gamma - G))^T v_new.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kda.gate import load_log_decay
+
+
+@triton.jit
+def chunk_kda_fwd_h_kernel(
+    q, k, g, A_log, dt_bias, w, u, Aqk, o, h, h0, ht, cu_seqlens, chunk_offsets, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    NT = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_s = o_k[:, None] * V + o_v[None, :]
+    dt = w.dtype.element_ty
+
+    b_S = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_H0:
+        b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + p_s).to(tl.float32)
+    for i_t in range(NT):
+        rows = bos + i_t * BT + o_t
+        m_t = rows < eos
+        if SAVE_H:
+            tl.store(h + ((c0 + i_t) * H + i_h) * K * V + p_s, b_S.to(h.dtype.element_ty))
+        p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+        p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
+        b_w = tl.load(w + p_k, mask=m_t[:, None], other=0.)
+        b_vn = tl.load(u + p_v, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_vn -= tl.dot(b_w, b_S.to(dt), input_precision=PREC)
+        tl.store(u + p_v, b_vn.to(u.dtype.element_ty), mask=m_t[:, None])
+
+        b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
+        b_G = tl.cumsum(b_g, 0)
+        b_gam = tl.sum(b_g, 0)
+        b_A = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_t[:, None], other=0.)
+        b_o = tl.dot((b_q * tl.exp(b_G)).to(dt), b_S.to(dt), input_precision=PREC)
+        b_o += tl.dot(b_A.to(dt), b_vn.to(dt), input_precision=PREC)
+        tl.store(o + p_v, (b_o * scale).to(o.dtype.element_ty), mask=m_t[:, None])
+
+        b_kd = (b_k * tl.exp(b_gam[None, :] - b_G)).to(dt)
+        b_S = b_S * tl.exp(b_gam)[:, None] + tl.dot(tl.trans(b_kd), b_vn.to(dt), input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + p_s, b_S)
+
+
+def chunk_kda_fwd_h(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tuple, w: torch.Tensor,
+                    u: torch.Tensor, Aqk: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
+                    output_final_state: bool, save_h: bool, cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor,
+                    n_chunks: int, prec: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """o [1, T, H, V]; final state [N, H, K, V] fp32; h [NT, H, K, V] (state at each chunk start).
+
+    Overwrites u with v_new = u - w S (what the backward pass reads).
+    """
+    _, T, H, K = q.shape
+    V = u.shape[-1]
+    N = cu_seqlens.numel() - 1
+    o = torch.empty_like(u)
+    h = q.new_empty(n_chunks, H, K, V) if save_h else None
+    ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    A_log, dt_bias, g_min = gate
+    BV = min(V, 32)
+    chunk_kda_fwd_h_kernel[(V // BV, N * H)](
+        q, k, g, A_log, dt_bias, w, u, Aqk, o, h, initial_state, ht, cu_seqlens, chunk_offsets, scale,
+        H=H, K=K, V=V, BT=64, BV=BV, USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min,
+        USE_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_H=save_h, PREC=prec,
+        num_warps=4,
+    )
+    return o, ht, h
