@@ -1,0 +1,100 @@
+"""Residual connections between sublayers: standard pre-norm sums, or block attention residuals (arXiv 2603.15031).
+
+Every attention and every FFN is one sublayer ``l`` with output ``v_l = f_l(h_l)``; ``v_0`` is the embedding.
+Standard residuals feed ``h_l = Σ_{i<l} v_i``. Full AttnRes feeds a learned mixture instead,
+``h_l = Σ_{i<l} α_{i→l} v_i`` with ``α_{i→l} = softmax_i(w_lᵀ RMSNorm(v_i))`` and a pseudo-query ``w_l`` initialised
+to 0, so training starts from the uniform average. Block AttnRes keeps memory at O(blocks · d): sublayers are grouped
+into blocks; inside block n their outputs are summed into a running ``b_n``; sublayer l of block n attends over the
+finished blocks ``[b_0 = v_0, b_1, …, b_{n−1}]`` plus the partial ``b_n`` once it holds something. With one sublayer
+per block this is exactly full AttnRes.
+
+Both kinds share one interface, so a decoder layer does not know which it runs under: ``begin(embedding)`` → state,
+``sublayer_input(state, l)`` → ``h_l``, ``add(state, l, v_l)`` → state, ``output(state)`` → the final hidden state.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResidualState:
+    """Between sublayers. ``blocks``: finished sources ``[T, d]`` (AttnRes), with ``inv_rms`` float32 ``[T]`` of each
+    cached (their RMSNorm is needed by every later sublayer); ``partial``: the running sum (the whole residual stream
+    for standard residuals, the open block for AttnRes; None when no block is open)."""
+
+    blocks: tuple[torch.Tensor, ...]
+    inv_rms: tuple[torch.Tensor, ...]
+    partial: torch.Tensor | None
+
+
+class StandardResiduals(nn.Module):
+    """``h_{l+1} = h_l + v_l`` (AttnRes off)."""
+
+    def begin(self, embedding: torch.Tensor) -> ResidualState:
+        return ResidualState(blocks=(), inv_rms=(), partial=embedding)
+
+    def sublayer_input(self, state: ResidualState, index: int) -> torch.Tensor:
+        assert state.partial is not None
+        return state.partial
+
+    def add(self, state: ResidualState, index: int, value: torch.Tensor) -> ResidualState:
+        assert state.partial is not None
+        return ResidualState(blocks=(), inv_rms=(), partial=state.partial + value)
+
+    def output(self, state: ResidualState) -> torch.Tensor:
+        assert state.partial is not None
+        return state.partial
+
+
+class BlockAttnRes(nn.Module):
+    """Block AttnRes over ``n_sublayers`` sublayers in blocks of ``block_size``; ``queries[l]`` is ``w_l`` ``[d]``,
+    ``queries[n_sublayers]`` mixes the final output."""
+
+    def __init__(self, d_model: int, n_sublayers: int, block_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if block_size < 1 or n_sublayers % block_size:
+            raise ValueError(f"block_size: must divide n_sublayers={n_sublayers}, got {block_size}")
+        self.n_sublayers, self.block_size, self.eps = n_sublayers, block_size, eps
+        self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
+
+    def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rsqrt(x.float().pow(2).mean(-1) + self.eps)
+
+    def _mix(self, state: ResidualState, query: torch.Tensor) -> torch.Tensor:
+        """``Σ_i softmax_i(w·RMSNorm(src_i)) src_i`` over the finished blocks and the open one, in float32."""
+        sources = list(state.blocks)
+        inv_rms = list(state.inv_rms)
+        if state.partial is not None:
+            sources.append(state.partial)
+            inv_rms.append(self._inv_rms(state.partial))
+        w = query.float()
+        logits = torch.stack([(src.float() @ w) * r for src, r in zip(sources, inv_rms)], dim=-1)  # [T, n_src]
+        alpha = torch.softmax(logits, dim=-1)
+        mixed = alpha[:, :1] * sources[0].float()
+        for i in range(1, len(sources)):
+            mixed = mixed + alpha[:, i:i + 1] * sources[i].float()
+        return mixed.to(sources[0].dtype)
+
+    def begin(self, embedding: torch.Tensor) -> ResidualState:
+        return ResidualState(blocks=(embedding,), inv_rms=(self._inv_rms(embedding),), partial=None)
+
+    def sublayer_input(self, state: ResidualState, index: int) -> torch.Tensor:
+        return self._mix(state, self.queries[index])
+
+    def add(self, state: ResidualState, index: int, value: torch.Tensor) -> ResidualState:
+        partial = value if state.partial is None else state.partial + value
+        if (index + 1) % self.block_size:
+            return ResidualState(blocks=state.blocks, inv_rms=state.inv_rms, partial=partial)
+        return ResidualState(blocks=state.blocks + (partial,), inv_rms=state.inv_rms + (self._inv_rms(partial),),
+                             partial=None)
+
+    def output(self, state: ResidualState) -> torch.Tensor:
+        return self._mix(state, self.queries[self.n_sublayers])
+
+    def extra_repr(self) -> str:
+        return f"n_sublayers={self.n_sublayers}, block_size={self.block_size}"

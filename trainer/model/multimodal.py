@@ -1,0 +1,173 @@
+"""The multimodal model: token embeddings, vision-tower embeddings in the ``<|image_pad|>`` positions, the hybrid
+decoder, and a chunked linear + cross-entropy loss on text tokens.
+
+The batch is packed: ``input_ids [B, L]`` rows are flattened into one sequence of ``T = B·L`` tokens split by
+``cu_seqlens`` (documents and padding as segments, flattened over the batch), so the decoder never sees a row
+boundary it would have to treat differently from a document boundary.
+
+Loss: a 1M-token sequence with a 32K vocabulary would need 128 GiB for fp32 logits. Only labelled positions go through
+the LM head, ``ce_chunk_tokens`` rows at a time; each chunk's gradient is taken inside the forward (softmax minus
+one-hot), so no chunk's logits outlive it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.model.config import ModelConfig
+from trainer.model.decoder import Decoder
+from trainer.model.sequence import packed_sequence
+from vision.encoder import VisionEncoder
+
+__all__ = ["IGNORE_INDEX", "ModelOutput", "LongweaveModel", "chunked_cross_entropy"]
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Σ_i CE(h_i Wᵀ, t_i) with gradients computed chunk by chunk during the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # noqa: ANN001 - ctx
+                chunk: int) -> torch.Tensor:
+        want_grad = any(ctx.needs_input_grad[:2])
+        grad_hidden = torch.empty_like(hidden) if want_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start:start + chunk], targets[start:start + chunk]
+            logits = (h @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if want_grad:
+                probs = torch.exp(logits.sub_(lse[:, None]))
+                probs[torch.arange(len(t), device=t.device), t] -= 1.0
+                probs = probs.to(hidden.dtype)
+                grad_hidden[start:start + chunk] = probs @ weight
+                grad_weight.addmm_(probs.t().float(), h.float())
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001 - ctx
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return ((grad_hidden * grad_out.to(grad_hidden.dtype)), (grad_weight * grad_out).to(ctx.weight_dtype),
+                None, None)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk: int) -> torch.Tensor:
+    """Summed cross-entropy of ``hidden [M, d] @ weight [V, d]ᵀ`` against ``targets`` int64 ``[M]`` (no ignored
+    entries), never holding more than ``chunk × V`` logits. Returns a float32 scalar."""
+    if hidden.shape[0] == 0:
+        return (hidden.sum() + weight.sum()).float() * 0.0  # keeps the graph (and DDP's hooks) connected
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelOutput:
+    """``loss``: mean cross-entropy over predicted tokens (float32 scalar, the one to backpropagate);
+    ``loss_sum`` and ``n_loss_tokens`` let the trainer average exactly over accumulation steps and ranks."""
+
+    loss: torch.Tensor
+    loss_sum: torch.Tensor
+    n_loss_tokens: int
+    n_tokens: int
+    n_image_tokens: int
+
+
+class LongweaveModel(nn.Module):
+    """Vision tower + hybrid KDA/MLA MoE decoder + LM head. See :meth:`forward` for the batch it takes."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.vision = VisionEncoder(config.vision, config.d_model)
+        self.decoder = Decoder(config)
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def _image_positions(self, flat_ids: torch.Tensor, image_grid: torch.Tensor | None, row_len: int,
+                    sample_keys: Sequence[str] | None) -> torch.Tensor:
+        """Flat positions int64 ``[Σ tokens]`` of the image-pad tokens, after checking that the runs of
+        ``<|image_pad|>`` match the images one for one (count and size), with an error naming the sample."""
+        pad = flat_ids == self.config.image_pad_id
+        positions = pad.nonzero().squeeze(1)
+        sizes = [] if image_grid is None else (image_grid[:, 0] * image_grid[:, 1]).tolist()
+        if positions.numel():
+            breaks = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
+            starts = torch.cat([positions[:1], positions[breaks]]).tolist()
+            lengths = torch.diff(torch.cat([breaks.new_zeros(1), breaks, breaks.new_full((1,), len(positions))]))
+            lengths = lengths.tolist()
+        else:
+            starts, lengths = [], []
+
+        def name(row: int) -> str:
+            return f"sample {sample_keys[row]!r}" if sample_keys is not None else f"batch row {row}"
+
+        for i in range(max(len(starts), len(sizes))):
+            if i < len(starts) and i < len(sizes) and lengths[i] == sizes[i]:
+                continue
+            row = starts[min(i, len(starts) - 1)] // row_len if starts else 0
+            if i >= len(sizes):
+                problem = f"holds more <|image_pad|> runs ({len(starts)}) than the batch has images ({len(sizes)})"
+            elif i >= len(starts):
+                problem = f"has fewer <|image_pad|> runs ({len(starts)}) than the batch has images ({len(sizes)})"
+            else:
+                h, w = image_grid[i].tolist()
+                problem = (f"image {i} of the batch: its <|image_pad|> run at offset {starts[i] % row_len} holds "
+                           f"{lengths[i]} tokens but its grid {h}×{w} gives {sizes[i]}")
+            raise ValueError(f"{name(row)}: image tokens do not match the images: {problem}")
+        return positions
+
+    def embed_inputs(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                     image_grid: torch.Tensor | None = None, sample_keys: Sequence[str] | None = None) -> torch.Tensor:
+        """Flattened input embeddings ``[B·L, d]``: token embeddings with the vision tower's output written into
+        the ``<|image_pad|>`` positions (in order)."""
+        flat = input_ids.reshape(-1)
+        x = self.embed(flat)
+        positions = self._image_positions(flat, image_grid, input_ids.shape[-1], sample_keys)
+        if positions.numel():
+            if pixel_values is None:
+                raise ValueError("pixel_values: the batch has image tokens but no pixel_values")
+            image_embeds = self.vision(pixel_values, image_grid.to(pixel_values.device))
+            x = x.index_put((positions,), image_embeds.to(x.dtype))
+        return x
+
+    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                      pixel_values: torch.Tensor | None = None, image_grid: torch.Tensor | None = None,
+                      sample_keys: Sequence[str] | None = None) -> torch.Tensor:
+        """Final normalised hidden states ``[B, L, d]``."""
+        B, L = input_ids.shape
+        x = self.embed_inputs(input_ids, pixel_values, image_grid, sample_keys)
+        seq = packed_sequence(cu_seqlens.to(x.device), B * L, with_mask=self.decoder.needs_mask)
+        return self.norm(self.decoder(x, seq)).view(B, L, -1)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor,
+                pixel_values: torch.Tensor | None = None, image_grid: torch.Tensor | None = None,
+                sample_keys: Sequence[str] | None = None) -> ModelOutput:
+        """One packed batch.
+
+        input_ids int64 ``[B, L]``; labels int64 ``[B, L]`` aligned with input_ids (``labels[b, t]`` is token t's id
+        when token t is predicted, else ``IGNORE_INDEX``; position t−1 predicts it); cu_seqlens int32 ``[S+1]``
+        over the flattened ``B·L`` tokens, ending at ``B·L``; pixel_values float ``[N_patches, 588]`` and image_grid
+        int64 ``[n_images, 2]`` (merged rows, cols) for the images in order of appearance; sample_keys (one per row)
+        only name the sample in errors.
+        """
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels: must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        hidden = self.hidden_states(input_ids, cu_seqlens, pixel_values, image_grid, sample_keys)
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+        loss_sum = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[keep], self.lm_head.weight,
+                                         targets[keep], self.config.ce_chunk_tokens)
+        n_loss = int(keep.numel())
+        n_image = int((input_ids == self.config.image_pad_id).sum())
+        return ModelOutput(loss=loss_sum / max(n_loss, 1), loss_sum=loss_sum, n_loss_tokens=n_loss,
+                           n_tokens=input_ids.numel(), n_image_tokens=n_image)

@@ -1,0 +1,86 @@
+"""Attention over packed sequences in which no segment sees another: images in the vision tower, documents in the
+decoder's MLA layers.
+
+Both pack many variable-length segments into one sequence to avoid padding. The mask is built once per forward from
+``cu_seqlens`` and shared by every layer. On CUDA it is a FlexAttention ``BlockMask``: blocks that cross a segment
+boundary (or lie above the diagonal when causal) are skipped, so cost and memory follow the segments, not the whole
+length squared. Elsewhere it is a dense boolean mask for ``scaled_dot_product_attention``: the exact reference, fine
+at CPU-test lengths.
+
+This lives in ``vision`` because the vision tower may not import ``trainer``; the decoder imports it from here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+__all__ = ["DocumentMask", "document_ids", "document_mask", "document_attention"]
+
+
+@functools.cache
+def _compiled_flex_attention():  # noqa: ANN202 - the compiled callable's type is torch-internal
+    """Compiled once per process: uncompiled FlexAttention materialises the full score matrix."""
+    return torch.compile(flex_attention)
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Segment index int32 ``[total]`` of every position, from ``cu_seqlens`` int ``[S+1]`` (0 … total)."""
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return (torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)).to(torch.int32)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DocumentMask:
+    """Which keys each query may see: same segment (and not later, when ``causal``). One of ``block_mask`` (CUDA)
+    or ``dense`` (bool ``[T, T]``, True = attend) is set."""
+
+    doc_ids: torch.Tensor
+    causal: bool
+    block_mask: BlockMask | None
+    dense: torch.Tensor | None
+
+    @property
+    def length(self) -> int:
+        return int(self.doc_ids.shape[0])
+
+
+def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, use_flex: bool | None = None) -> DocumentMask:
+    """Mask for a packed sequence of ``total`` positions split by ``cu_seqlens`` (``cu_seqlens[-1] == total``).
+
+    ``use_flex`` defaults to "on CUDA"; the block mask is built with a compiled kernel so 1M-token masks stay cheap.
+    """
+    if int(cu_seqlens[-1]) != total or int(cu_seqlens[0]) != 0:
+        raise ValueError(f"cu_seqlens: must run from 0 to the sequence length {total}, got "
+                         f"{int(cu_seqlens[0])} … {int(cu_seqlens[-1])}")
+    doc = document_ids(cu_seqlens, total)
+    if use_flex is None:
+        use_flex = doc.is_cuda
+    if use_flex:
+        if causal:
+            def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - FlexAttention's mask_mod protocol
+                return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        else:
+            def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+                return doc[q_idx] == doc[kv_idx]
+        block = create_block_mask(mask_mod, None, None, total, total, device=doc.device, _compile=True)
+        return DocumentMask(doc_ids=doc, causal=causal, block_mask=block, dense=None)
+    dense = doc[:, None] == doc[None, :]
+    if causal:
+        dense = dense.tril()
+    return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, dense=dense)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
+                       scale: float | None = None) -> torch.Tensor:
+    """Softmax attention inside segments. q, k ``[1, H, T, Dk]``, v ``[1, H, T, Dv]`` -> ``[1, H, T, Dv]``."""
+    if q.shape[0] != 1 or q.shape[2] != mask.length:
+        raise ValueError(f"q: expected [1, H, {mask.length}, D], got {tuple(q.shape)}")
+    if mask.block_mask is not None:
+        return _compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale)

@@ -1,0 +1,137 @@
+"""Native-resolution vision tower: every image of a batch in one packed sequence, none attending to another.
+
+NaViT-style: images keep their own aspect ratio and size (the grid ``vision.geometry`` chose), their 14×14 patches are
+concatenated into one sequence, and attention is masked per image (``vision.attention``), so a batch of mixed sizes
+needs no padding. Positions are 2D rotary (row, column of the patch inside its own image), so an image's encoding does
+not depend on where in the pack it sits. The 2×2 merger turns four neighbouring patches into one decoder token; the
+patch order written by ``vision.preprocess`` puts those four in consecutive rows.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from vision.attention import DocumentMask, document_attention, document_mask
+from vision.config import VisionEncoderConfig
+
+__all__ = ["VisionEncoder", "patch_positions", "rope_2d"]
+
+
+def patch_positions(image_grid: torch.Tensor, merge: int) -> torch.Tensor:
+    """``(row, col)`` int64 ``[N_patches, 2]`` of each patch inside its image, for merged grids ``image_grid``
+    ``[n_images, 2]``, in the merger order of ``vision.preprocess`` (merged row, merged col, sub row, sub col)."""
+    per_image = image_grid[:, 0] * image_grid[:, 1] * merge * merge
+    image_of = torch.repeat_interleave(torch.arange(len(image_grid), device=image_grid.device), per_image)
+    starts = torch.cumsum(per_image, 0) - per_image
+    local = torch.arange(int(per_image.sum()), device=image_grid.device) - starts[image_of]
+    merged, sub = local // (merge * merge), local % (merge * merge)
+    cols = image_grid[image_of, 1]
+    row = (merged // cols) * merge + sub // merge
+    col = (merged % cols) * merge + sub % merge
+    return torch.stack([row, col], dim=1)
+
+
+def rope_2d(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 ``[N, head_dim]`` for rotate-half RoPE: the first quarter-pairs turn with the row, the rest
+    with the column, so each axis gets half the rotary channels."""
+    quarter = head_dim // 4
+    inv_freq = theta ** (-torch.arange(quarter, device=positions.device, dtype=torch.float32) / quarter)
+    angles = torch.cat([positions[:, :1].float() * inv_freq, positions[:, 1:].float() * inv_freq], dim=1)
+    angles = torch.cat([angles, angles], dim=1)
+    return angles.cos(), angles.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[N, H, D]``; cos/sin ``[N, D]``; computed in float32, returned in x's dtype."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class VisionAttention(nn.Module):
+    """Multi-head self-attention with 2D RoPE on q, k; the mask keeps each image to itself."""
+
+    def __init__(self, config: VisionEncoderConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: DocumentMask) -> torch.Tensor:
+        """x ``[N, d]`` -> ``[N, d]``."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)
+        q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        out = document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), mask)
+        return self.proj(out.squeeze(0).transpose(0, 1).reshape(n, -1))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm transformer block: attention then GELU MLP, each with a residual."""
+
+    def __init__(self, config: VisionEncoderConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.attn = VisionAttention(config)
+        self.norm2 = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.fc1 = nn.Linear(config.d_model, config.d_mlp)
+        self.fc2 = nn.Linear(config.d_mlp, config.d_model)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: DocumentMask) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, mask)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+
+
+class PatchMerger(nn.Module):
+    """``merge²`` neighbouring patches -> one decoder token: LayerNorm, concatenate, two-layer GELU MLP projector."""
+
+    def __init__(self, config: VisionEncoderConfig, out_dim: int) -> None:
+        super().__init__()
+        self.group = config.merge * config.merge
+        width = config.d_model * self.group
+        self.norm = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[N_patches, d]`` (groups of ``merge²`` consecutive rows) -> ``[N_patches / merge², out_dim]``."""
+        x = self.norm(x).reshape(-1, self.group * x.shape[-1])
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class VisionEncoder(nn.Module):
+    """``forward(pixel_values [N_patches, 3·p·p], image_grid [n_images, 2] merged (rows, cols))`` ->
+    ``[Σ rows·cols, out_dim]`` image-token embeddings, in image order, ready for the ``<|image_pad|>`` positions."""
+
+    def __init__(self, config: VisionEncoderConfig, out_dim: int) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = nn.Linear(config.patch_dim, config.d_model)  # = a p×p stride-p conv on flattened patches
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.n_layers))
+        self.merger = PatchMerger(config, out_dim)
+
+    def forward(self, pixel_values: torch.Tensor, image_grid: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        group = cfg.merge * cfg.merge
+        if pixel_values.ndim != 2 or pixel_values.shape[1] != cfg.patch_dim:
+            raise ValueError(f"pixel_values: expected [N_patches, {cfg.patch_dim}], got {tuple(pixel_values.shape)}")
+        if image_grid.ndim != 2 or image_grid.shape[1] != 2 or bool((image_grid < 1).any()):
+            raise ValueError(f"image_grid: expected positive [n_images, 2], got {image_grid.tolist()}")
+        per_image = image_grid[:, 0] * image_grid[:, 1] * group
+        n_patches = int(per_image.sum())
+        if n_patches != pixel_values.shape[0]:
+            raise ValueError(f"pixel_values: image_grid {image_grid.tolist()} needs {n_patches} patches, "
+                             f"got {pixel_values.shape[0]}")
+        cu_seqlens = F.pad(torch.cumsum(per_image, 0), (1, 0)).to(torch.int32)
+        mask = document_mask(cu_seqlens, n_patches, causal=False)
+        rope = rope_2d(patch_positions(image_grid, cfg.merge), cfg.head_dim, cfg.rope_theta)
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        for block in self.blocks:
+            if cfg.checkpoint_layers and torch.is_grad_enabled():
+                x = checkpoint(block, x, rope, mask, use_reentrant=False)
+            else:
+                x = block(x, rope, mask)
+        return self.merger(x)
