@@ -103,15 +103,14 @@ def _stage(name: str, seq_len: int, buckets: list[tuple[int, int | None, float]]
     )
 
 
-# The curriculum of the source article: 8K, then 64K, 256K and 1M tokens. Short stages see every document (long ones
-# split into pieces); long stages keep all long documents and a sample of short ones to fill gaps.
+# The curriculum of the source article: 8K, then 64K, 256K and 1M tokens. Documents of one bucket pack together, so
+# few buckets pack tightest: the 8K stage packs every document in one bucket (long ones split into pieces, short ones
+# filling the gaps); the long stages keep every long document and a quarter of the shorter ones.
 DEFAULT_STAGES: dict[str, StageSpec] = {
-    "8k": _stage("8k", 8192, [(0, 2048, 1.0), (2048, 8192, 1.0), (8192, None, 1.0)], token_budget=1_000_000_000_000),
-    "64k": _stage("64k", 65536, [(0, 8192, 0.25), (8192, 65536, 1.0), (65536, None, 1.0)], token_budget=200_000_000_000),
-    "256k": _stage("256k", 262144, [(0, 8192, 0.1), (8192, 65536, 0.5), (65536, None, 1.0)],
-                   token_budget=50_000_000_000),
-    "1m": _stage("1m", 1048576, [(0, 65536, 0.1), (65536, 262144, 0.5), (262144, None, 1.0)],
-                 token_budget=20_000_000_000),
+    "8k": _stage("8k", 8192, [(0, None, 1.0)], token_budget=1_000_000_000_000),
+    "64k": _stage("64k", 65536, [(0, 8192, 0.25), (8192, None, 1.0)], token_budget=200_000_000_000),
+    "256k": _stage("256k", 262144, [(0, 65536, 0.25), (65536, None, 1.0)], token_budget=50_000_000_000),
+    "1m": _stage("1m", 1048576, [(0, 262144, 0.25), (262144, None, 1.0)], token_budget=20_000_000_000),
 }
 
 

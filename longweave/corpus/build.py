@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import re
 import shutil
 from collections import Counter
 from collections.abc import Iterable
@@ -46,6 +47,7 @@ OBELICS_SCHEMA = pa.schema(
 )
 LENGTH_EDGES = (0, 512, 2048, 8192, 65536, 262144, 1048576)
 MAX_IMAGES_PER_DOCUMENT = 10
+_PARAGRAPH_END = re.compile(r"(?<=\n\n)(?=[^\n])")  # split after a blank line, keeping it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,7 +77,14 @@ def _rng(doc_id: str) -> random.Random:
 
 
 def _text_segments(modules: Iterable[ModuleDocs]) -> list[Segment]:
-    return [Segment.of_text(f"{name}\n\n{doc}\n\n") for module in modules for name, doc in module.entries]
+    """One text segment per paragraph, like OBELICS, so long documents can be split close to the sequence length."""
+    return [
+        Segment.of_text(paragraph)
+        for module in modules
+        for name, doc in module.entries
+        for paragraph in _PARAGRAPH_END.split(f"{name}\n\n{doc}\n\n")
+        if paragraph
+    ]
 
 
 def _interleave(doc_id: str, texts: list[Segment], photos: list[Photo]) -> tuple[Segment, ...]:
