@@ -12,3 +12,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory):
+    """A small real corpus (scikit-image module docs + shipped photos), built once per test session."""
+    from longweave.corpus.build import CorpusConfig, build_corpus
+
+    folder = tmp_path_factory.mktemp("corpus")
+    build_corpus(folder, CorpusConfig(module_packages=("skimage",), subpackage_documents=()))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def packed_small(small_corpus, tmp_path_factory: pytest.TempPathFactory):
+    """``longweave pack`` output of the small corpus for the 8k and 64k stages (FnApiRunner, in process)."""
+    from longweave.cli import main
+
+    out = tmp_path_factory.mktemp("packed")
+    rc = main(["pack", "--input", str(small_corpus / "documents.jsonl"), "--format", "jsonl", "--output", str(out),
+               "--image-root", str(small_corpus / "images"), "--stages", "8k,64k"])
+    assert rc == 0
+    return out
