@@ -85,7 +85,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           scale: float, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+           scale: float | None, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
            A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, g_min: float) -> int:
     """Validate every argument once; returns the number of documents N."""
     if q.dim() != 4:
@@ -101,14 +101,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
         raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got shape {tuple(beta.shape)}")
     V = v.shape[-1]
     for name, d in (("K", K), ("V", V)):
-        if d not in (16, 32, 64, 128):
-            raise ValueError(f"head dim {name} must be one of 16, 32, 64, 128, got {d}")
+        if d not in (32, 64, 128):
+            raise ValueError(f"head dim {name} must be one of 32, 64, 128, got {d}")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-    if not scale > 0:
+    if scale is not None and not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
     N = B
     if cu_seqlens is not None:
@@ -163,9 +163,8 @@ def chunk_kda(
     the kernels). Returns o [B, T, H, V] (v's dtype) and the final state [N, H, K, V] float32 if asked, else None.
     Triton on CUDA (and on CPU under TRITON_INTERPRET=1), `naive_chunk_kda` elsewhere.
     """
-    K = q.shape[-1] if q.dim() == 4 else 0
-    scale = K ** -0.5 if scale is None else scale
     _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, g_min)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     if not (q.is_cuda or INTERPRET):

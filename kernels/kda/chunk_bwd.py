@@ -13,9 +13,13 @@ import triton
 import triton.language as tl
 
 from kernels.kda.chunk_intra import anchor_exponents
+from kernels.kda.chunk_fwd import STATE_PASS_SPACE
 from kernels.kda.gate import load_log_decay, log_decay_grad
+from kernels.kda.tuning import configs, fit_v
 
 
+@triton.autotune(configs(STATE_PASS_SPACE), key=["H", "K", "V"],
+                 prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dh_kernel(
     q, k, g, A_log, dt_bias, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
@@ -65,6 +69,8 @@ def chunk_kda_bwd_dh_kernel(
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_s, b_dS)
 
 
+@triton.autotune(configs([({"BV": 32}, 4), ({"BV": 64}, 8), ({"BV": 64}, 4)]), key=["H", "K", "V"],
+                 prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_kernel(
     q, k, v, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dq, dk, dv, dg, dbeta, chunks, scale,
@@ -166,11 +172,10 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dh = torch.empty_like(h)
     dvn = torch.empty_like(vn)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if has_h0 else None
-    BV = min(V, 32)
-    chunk_kda_bwd_dh_kernel[(V // BV, N * H)](
+    chunk_kda_bwd_dh_kernel[lambda meta: (V // meta["BV"], N * H)](
         q, k, g, A_log, dt_bias, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
-        H=H, K=K, V=V, BT=64, BV=BV, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min,
-        USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec, num_warps=4,
+        H=H, K=K, V=V, BT=64, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min,
+        USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec,
     )
     BK = min(K, 64)
     NK = K // BK
@@ -178,7 +183,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dbeta = q.new_empty(NK, T, H, dtype=torch.float32)
     chunk_kda_bwd_kernel[(chunks.shape[0], H, NK)](
         q, k, v, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dq, dk, dv, dg, dbeta, chunks, scale,
-        T, H=H, K=K, V=V, BT=64, BC=16, BK=BK, BV=min(V, 64), USE_GATE=use_gate, HAS_BIAS=has_bias,
-        G_MIN=g_min, PREC=prec, num_warps=8,
+        T, H=H, K=K, V=V, BT=64, BC=16, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias,
+        G_MIN=g_min, PREC=prec,
     )
     return dq, dk, dv, dg, dbeta.sum(0, keepdim=True), dh0

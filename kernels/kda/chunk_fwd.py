@@ -10,8 +10,14 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import load_log_decay
+from kernels.kda.tuning import configs, fit_v
+
+# The state pass is a chain of NT dependent steps: narrow V blocks shorten each step and occupy more SMs.
+STATE_PASS_SPACE = [({"BV": 32}, 4), ({"BV": 16}, 4), ({"BV": 32}, 8)]
 
 
+@triton.autotune(configs(STATE_PASS_SPACE), key=["H", "K", "V"], restore_value=["u"],
+                 prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_fwd_h_kernel(
     q, k, g, A_log, dt_bias, w, u, Aqk, o, h, h0, ht, cu_seqlens, chunk_offsets, scale,
@@ -77,11 +83,9 @@ def chunk_kda_fwd_h(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tup
     h = q.new_empty(n_chunks, H, K, V) if save_h else None
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     A_log, dt_bias, g_min = gate
-    BV = min(V, 32)
-    chunk_kda_fwd_h_kernel[(V // BV, N * H)](
+    chunk_kda_fwd_h_kernel[lambda meta: (V // meta["BV"], N * H)](
         q, k, g, A_log, dt_bias, w, u, Aqk, o, h, initial_state, ht, cu_seqlens, chunk_offsets, scale,
-        H=H, K=K, V=V, BT=64, BV=BV, USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min,
+        H=H, K=K, V=V, BT=64, USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_H=save_h, PREC=prec,
-        num_warps=4,
     )
     return o, ht, h

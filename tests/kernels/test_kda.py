@@ -1,0 +1,284 @@
+"""KDA kernels against the float32 recurrence: outputs, final states and every gradient, on fresh random inputs.
+
+Without CUDA the Triton kernels run under the interpreter (fp32 only: it multiplies bf16 `tl.dot` operands wrongly).
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+INTERPRET = not torch.cuda.is_available()
+if INTERPRET:
+    # Triton picks interpreter or compiler when a kernel is defined, so (re)import the KDA modules with it on; the
+    # fixture below keeps it on while this module's tests run and restores the environment for the rest of the suite.
+    with pytest.MonkeyPatch.context() as _mp:
+        _mp.setenv("TRITON_INTERPRET", "1")
+        for _name in [m for m in sys.modules if m == "kernels.kda" or m.startswith("kernels.kda.")]:
+            del sys.modules[_name]
+        import kernels.kda  # noqa: E402,F401
+
+from kernels.kda import chunk_kda, naive_chunk_kda, naive_recurrent_kda  # noqa: E402
+from kernels.kda.gate import kda_gate  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    """The interpreter also checks TRITON_INTERPRET while kernels run."""
+    with pytest.MonkeyPatch.context() as mp:
+        if INTERPRET:
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; the absolute error where the reference is exactly zero (e.g. dg when
+    T = 1 from a zero state, where the decay acts on nothing)."""
+    out, ref = out.double(), ref.double()
+    norm = ref.norm()
+    return ((out - ref).norm() / (norm if norm > 0 else 1.0)).item()
+
+
+def _seed() -> int:
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed={seed}")
+    torch.manual_seed(seed)
+    return seed
+
+
+def make_inputs(B: int, T: int, H: int, K: int, V: int, h0: bool, n_docs: int = 1, device: str = DEVICE,
+                dtype: torch.dtype = torch.float32) -> dict:
+    """Fresh random KDA inputs (never zeros): unit-norm keys, g = -5 sigmoid(randn), beta in (0, 1)."""
+    _seed()
+    kw = dict(device=device)
+    x = dict(
+        q=torch.randn(B, T, H, K, **kw).to(dtype),
+        k=torch.nn.functional.normalize(torch.randn(B, T, H, K, **kw), dim=-1).to(dtype),
+        v=torch.randn(B, T, H, V, **kw).to(dtype),
+        g=-5 * torch.sigmoid(torch.randn(B, T, H, K, **kw)),
+        beta=torch.rand(B, T, H, **kw).to(dtype),
+        h0=torch.randn(max(B, n_docs), H, K, V, **kw) if h0 else None,
+    )
+    cu = None
+    if n_docs > 1:
+        cuts = torch.randperm(T - 1)[: n_docs - 1].add(1).sort().values.tolist()
+        cu = torch.tensor([0, *cuts, T], dtype=torch.int32, device=device)
+    return dict(inputs=x, cu_seqlens=cu)
+
+
+def run(fn, inputs: dict, cu_seqlens: torch.Tensor | None, grad_out: tuple[torch.Tensor, torch.Tensor] | None,
+        **kw) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Output, final state and the gradient of every input under <o, do> + <ht, dht>."""
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items() if t is not None}
+    o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves.get("h0"),
+               output_final_state=True, cu_seqlens=cu_seqlens, **kw)
+    if grad_out is None:
+        grad_out = (torch.randn_like(o), torch.randn_like(ht))
+    ((o * grad_out[0]).sum() + (ht * grad_out[1]).sum()).backward()
+    return o, ht, {n: t.grad for n, t in leaves.items()}, grad_out
+
+
+def check_against_recurrence(case: dict, tol: float, **kw) -> None:
+    ref_in = {n: (t.float() if t is not None else None) for n, t in case["inputs"].items()}
+    o_ref, ht_ref, g_ref, grad_out = run(naive_recurrent_kda, ref_in, case["cu_seqlens"], None)
+    o, ht, grads, _ = run(chunk_kda, case["inputs"], case["cu_seqlens"], grad_out, **kw)
+    errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
+    errors |= {f"d{n}": rel_err(grads[n], g_ref[n]) for n in grads}
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    assert not bad, f"relative errors over {tol}: {bad} (all: {errors})"
+
+
+CPU_CASES = [
+    pytest.param(T, K, h0, id=f"T{T}-H2-K{K}{'-h0' if h0 else ''}")
+    for T in (1, 15, 16, 17, 63, 64, 65, 200) for K in (32, 64) for h0 in (False, True)
+]
+
+
+@pytest.mark.parametrize("T, K, h0", CPU_CASES)
+def test_chunk_matches_recurrence(T: int, K: int, h0: bool) -> None:
+    check_against_recurrence(make_inputs(1 if T > 64 else 2, T, 2, K, K, h0), 1e-4)
+
+
+@pytest.mark.parametrize("K, h0", [pytest.param(32, True, id="T150-H2-K32-varlen-h0"),
+                                   pytest.param(64, False, id="T150-H2-K64-varlen")])
+def test_varlen_matches_recurrence(K: int, h0: bool) -> None:
+    check_against_recurrence(make_inputs(1, 150, 2, K, K, h0, n_docs=3), 1e-4)
+
+
+def test_in_kernel_gate_matches_recurrence() -> None:
+    """Raw gate input z, A_log and dt_bias: the kernel's bounded gate and its gradients (dz, dA_log, d dt_bias)."""
+    case = make_inputs(1, 80, 2, 32, 32, True)
+    z = torch.randn(1, 80, 2, 32, device=DEVICE)
+    A_log = torch.randn(2, device=DEVICE) * 0.5
+    dt_bias = torch.randn(64, device=DEVICE)
+    raw = {"z": z, "A_log": A_log, "dt_bias": dt_bias}
+    leaves = {n: t.clone().requires_grad_() for n, t in raw.items()}
+    x = case["inputs"]
+    o, ht = chunk_kda(x["q"], x["k"], x["v"], leaves["z"], x["beta"], initial_state=x["h0"],
+                      output_final_state=True, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"])
+    refs = {n: t.clone().requires_grad_() for n, t in raw.items()}
+    g = kda_gate(refs["z"], refs["A_log"], refs["dt_bias"], -5.0)
+    o_ref, ht_ref = naive_recurrent_kda(x["q"], x["k"], x["v"], g, x["beta"], initial_state=x["h0"],
+                                        output_final_state=True)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    ((o_ref * do).sum() + (ht_ref * dht).sum()).backward()
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(ht, ht_ref) <= 1e-4
+    for n in leaves:
+        assert rel_err(leaves[n].grad, refs[n].grad) <= 1e-4, n
+
+
+def test_naive_chunk_matches_recurrence() -> None:
+    case = make_inputs(1, 200, 2, 32, 32, True, n_docs=3, device="cpu")
+    check = {n: t for n, t in case["inputs"].items()}
+    o_ref, ht_ref, g_ref, grad_out = run(naive_recurrent_kda, check, case["cu_seqlens"], None)
+    o, ht, grads, _ = run(naive_chunk_kda, check, case["cu_seqlens"], grad_out)
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(ht, ht_ref) <= 1e-4
+    for n in grads:
+        assert rel_err(grads[n], g_ref[n]) <= 1e-4, n
+
+
+@pytest.mark.parametrize("tau", [pytest.param(35, id="T45-tau35-partial-subchunk"),
+                                 pytest.param(63, id="T100-tau63-chunk-end"),
+                                 pytest.param(16, id="T45-tau16-subchunk-start")])
+def test_exactly_causal(tau: int) -> None:
+    """New values of q, k, v, g, beta after tau leave every output up to tau bit-for-bit unchanged."""
+    T = 45 if tau < 45 else 100
+    x = make_inputs(1, T, 2, 32, 32, True)["inputs"]
+    y = {n: t.clone() for n, t in x.items()}
+    for n in ("q", "k", "v", "g", "beta"):
+        fresh = make_inputs(1, T, 2, 32, 32, False)["inputs"][n]
+        y[n][:, tau + 1:] = fresh[:, tau + 1:]
+    o_x, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"])
+    o_y, _ = chunk_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], initial_state=y["h0"])
+    assert torch.equal(o_x[:, : tau + 1], o_y[:, : tau + 1])
+    assert not torch.equal(o_x[:, tau + 1:], o_y[:, tau + 1:])
+
+
+def test_documents_are_independent() -> None:
+    """Changing document 1 (and its initial state) leaves documents 2 and 3 unchanged."""
+    case = make_inputs(1, 150, 2, 32, 32, True, n_docs=3)
+    x, cu = case["inputs"], case["cu_seqlens"]
+    end = int(cu[1])
+    y = {n: t.clone() for n, t in x.items()}
+    for n in ("q", "k", "v", "g", "beta"):
+        y[n][:, :end] = make_inputs(1, 150, 2, 32, 32, False)["inputs"][n][:, :end]
+    y["h0"][0] = torch.randn_like(y["h0"][0])
+    o_x, ht_x = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                          output_final_state=True, cu_seqlens=cu)
+    o_y, ht_y = chunk_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], initial_state=y["h0"],
+                          output_final_state=True, cu_seqlens=cu)
+    assert torch.equal(o_x[:, end:], o_y[:, end:]) and torch.equal(ht_x[1:], ht_y[1:])
+    assert not torch.equal(o_x[:, :end], o_y[:, :end])
+
+
+def _args(**over) -> dict:
+    B, T, H, K = 1, 8, 2, 32
+    a = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, H, K),
+             g=-torch.rand(B, T, H, K), beta=torch.rand(B, T, H))
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over, match", [
+    pytest.param(dict(q=torch.randn(8, 2, 32)), r"q must be \[B, T, H, K\], got shape \(8, 2, 32\)", id="q-rank"),
+    pytest.param(dict(k=torch.randn(1, 8, 2, 16)), r"k must have q's shape .* got \(1, 8, 2, 16\)", id="k-shape"),
+    pytest.param(dict(v=torch.randn(1, 7, 2, 32)), r"v must be \[B, T, H, V\].* got shape \(1, 7, 2, 32\)",
+                 id="v-shape"),
+    pytest.param(dict(g=torch.randn(1, 8, 2, 16)), r"g must have q's shape .* got \(1, 8, 2, 16\)", id="g-shape"),
+    pytest.param(dict(beta=torch.rand(1, 8, 3)), r"beta must be \[B, T, H\].* got shape \(1, 8, 3\)",
+                 id="beta-shape"),
+    pytest.param(dict(v=torch.randn(1, 8, 2, 48)), r"head dim V must be one of .* got 48", id="V-size"),
+    pytest.param(dict(q=torch.randn(1, 8, 2, 16), k=torch.randn(1, 8, 2, 16), g=-torch.rand(1, 8, 2, 16)),
+                 r"head dim K must be one of .* got 16", id="K-size"),
+    pytest.param(dict(q=torch.randn(1, 8, 2, 32, dtype=torch.float64)), r"q must be float32.* got torch.float64",
+                 id="q-dtype"),
+    pytest.param(dict(v=torch.randn(1, 8, 2, 32).bfloat16()), r"v must have q's dtype .* got torch.bfloat16",
+                 id="v-dtype"),
+    pytest.param(dict(scale=-1.0), r"scale must be positive, got -1.0", id="scale"),
+    pytest.param(dict(q=torch.randn(2, 8, 2, 32), k=torch.randn(2, 8, 2, 32), v=torch.randn(2, 8, 2, 32),
+                      g=-torch.rand(2, 8, 2, 32), beta=torch.rand(2, 8, 2), cu_seqlens=torch.tensor([0, 8])),
+                 r"need B == 1, got B=2", id="cu_seqlens-batch"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0.0, 8.0])), r"cu_seqlens must be a 1-D int32/int64",
+                 id="cu_seqlens-dtype"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), r"cu_seqlens must rise from 0 to T=8, got \[0, 5, 3",
+                 id="cu_seqlens-order"),
+    pytest.param(dict(initial_state=torch.randn(2, 2, 32, 32)), r"initial_state must be \[N, H, K, V\] = "
+                 r"\[1, 2, 32, 32\], got shape \(2, 2, 32, 32\)", id="initial_state"),
+    pytest.param(dict(dt_bias=torch.randn(64)), r"dt_bias needs A_log", id="dt_bias-alone"),
+    pytest.param(dict(A_log=torch.randn(3)), r"A_log must be \[H\] = \[2\], got shape \(3,\)", id="A_log"),
+    pytest.param(dict(A_log=torch.randn(2), dt_bias=torch.randn(32)), r"dt_bias must be \[H\*K\] = \[64\]",
+                 id="dt_bias"),
+    pytest.param(dict(A_log=torch.randn(2), g_min=-8.0), r"g_min must lie in \[-5, 0\).* got -8.0", id="g_min"),
+])
+def test_argument_errors(over: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        a = _args(**over)
+        chunk_kda(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g"), a.pop("beta"), **a)
+
+
+# --- GPU: bf16 at real shapes, fp32 exactness, and agreement with fla-core -------------------------------------
+
+GPU_CASES = [
+    pytest.param(2, 4096, 4, 128, None, id="B2-T4096-H4-K128"),
+    pytest.param(1, 8192, 4, 128, 5, id="B1-T8192-H4-K128-varlen5"),
+    pytest.param(2, 2000, 2, 64, None, id="B2-T2000-H2-K64"),
+]
+
+
+def _gpu_reference(case: dict) -> tuple:
+    ref_in = {n: (t.float() if t is not None else None) for n, t in case["inputs"].items()}
+    return run(naive_chunk_kda, ref_in, case["cu_seqlens"], None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, H, K, docs", GPU_CASES)
+def test_gpu_bf16_matches_fp32_reference(B: int, T: int, H: int, K: int, docs: int | None) -> None:
+    case = make_inputs(B, T, H, K, K, True, n_docs=docs or 1, dtype=torch.bfloat16)
+    o_ref, ht_ref, g_ref, grad_out = _gpu_reference(case)
+    o, ht, grads, _ = run(chunk_kda, case["inputs"], case["cu_seqlens"], grad_out)
+    errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
+    assert max(errors.values()) <= 5e-3, errors
+    errors = {f"d{n}": rel_err(grads[n], g_ref[n]) for n in grads}
+    assert max(errors.values()) <= 1e-2, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, docs", [pytest.param(1000, None, id="T1000-H2-K64"),
+                                     pytest.param(1000, 3, id="T1000-H2-K64-varlen3")])
+def test_gpu_fp32_matches_recurrence(T: int, docs: int | None) -> None:
+    check_against_recurrence(make_inputs(1, T, 2, 64, 64, True, n_docs=docs or 1), 1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_in_kernel_gate_bf16() -> None:
+    case = make_inputs(1, 4096, 4, 128, 128, False, dtype=torch.bfloat16)
+    x = case["inputs"]
+    z = torch.randn(1, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
+    A_log = torch.zeros(4, device="cuda")
+    o, _ = chunk_kda(x["q"], x["k"], x["v"], z, x["beta"], A_log=A_log)
+    g = kda_gate(z, A_log, None, -5.0)
+    o_ref, _ = naive_chunk_kda(x["q"].float(), x["k"].float(), x["v"].float(), g, x["beta"].float())
+    assert rel_err(o, o_ref) <= 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, H, K, docs", GPU_CASES[:2])
+def test_gpu_agrees_with_fla(B: int, T: int, H: int, K: int, docs: int | None) -> None:
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    case = make_inputs(B, T, H, K, K, True, n_docs=docs or 1, dtype=torch.bfloat16)
+    cu = case["cu_seqlens"]
+
+    def fla(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens):
+        return fla_kda.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                 safe_gate=True, lower_bound=-5.0,
+                                 cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None)
+
+    o_ref, ht_ref, g_ref, grad_out = run(fla, case["inputs"], cu, None)
+    o, ht, grads, _ = run(chunk_kda, case["inputs"], cu, grad_out)
+    errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
+    errors |= {f"d{n}": rel_err(grads[n], g_ref[n]) for n in grads}
+    assert max(errors.values()) <= 5e-3, errors
