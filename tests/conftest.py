@@ -25,6 +25,15 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def full_corpus(tmp_path_factory: pytest.TempPathFactory):
+    """The demo corpus (about 600 documents, 3M tokens): ``(folder, summary)``."""
+    from longweave.corpus.build import build_corpus
+
+    folder = tmp_path_factory.mktemp("full_corpus")
+    return folder, build_corpus(folder)
+
+
+@pytest.fixture(scope="session")
 def packed_small(small_corpus, tmp_path_factory: pytest.TempPathFactory):
     """``longweave pack`` output of the small corpus for the 8k and 64k stages (FnApiRunner, in process)."""
     from longweave.cli import main

@@ -50,9 +50,9 @@ def test_small_corpus_is_deterministic_and_formats_agree(tmp_path) -> None:
     assert summary["documents"] == len(docs) and sum(summary["histogram"].values()) == len(docs)
 
 
-def test_full_corpus_spans_every_stage(tmp_path) -> None:
+def test_full_corpus_spans_every_stage(full_corpus) -> None:
     """Lengths reach from ~100 tokens to far past 64K, with images, so every curriculum stage has real input."""
-    summary = build_corpus(tmp_path / "full")
+    _, summary = full_corpus
     assert summary.documents > 500 and summary.images > summary.documents
     assert 100 <= summary.min_tokens <= 200
     assert summary.max_tokens > 262144
