@@ -54,13 +54,14 @@ class _ReadFile(beam.DoFn):
         self.read = Metrics.counter(_NAMESPACE, "records_read")
 
     def process(self, path: str) -> Iterator[Any]:
-        for record in read_file(path, self.fmt):
+        for index, record in enumerate(read_file(path, self.fmt)):
             self.read.inc()
-            yield from _emit(record)
+            # The record's position decides which copy of a duplicated id is kept, the same on every runner.
+            yield from _emit(record if isinstance(record, DeadLetter) else ((path, index), record))
 
 
 class ReadDocuments(beam.PTransform):
-    """Input files → ``Document`` (main) and unreadable records (``dead``); one file per task."""
+    """Input files → ``((path, index), Document)`` (main) and unreadable records (``dead``); one file per task."""
 
     def __init__(self, files: list[str], fmt: str) -> None:
         super().__init__()
@@ -76,28 +77,37 @@ class ReadDocuments(beam.PTransform):
         )
 
 
-def _content_key(doc: Document) -> str:
-    return hashlib.sha256(doc.to_json().encode()).hexdigest()
+def first_position(item: tuple[str, Iterable[tuple[str, int]]]) -> Iterator[tuple[str, tuple[str, int]]]:
+    """For an id read more than once: the position of the copy to keep (the first by input path and index)."""
+    doc_id, positions = item
+    positions = sorted(positions)
+    if len(positions) > 1:
+        yield doc_id, positions[0]
 
 
-def keep_one_per_id(item: tuple[str, Iterable[Document]]) -> Iterator[Any]:
-    """Keep the copy with the smallest content hash (same choice on every runner); dead-letter the others."""
-    doc_id, docs = item
-    ordered = sorted(docs, key=_content_key)
-    yield ordered[0]
-    for extra in ordered[1:]:
-        yield from _emit(DeadLetter(doc_id=doc_id, source=extra.source, reason="duplicate_id",
-                                    detail=f"{len(ordered)} documents share id {doc_id!r}; kept one from {ordered[0].source}"))
+def keep_first_copy(item: tuple[tuple[str, int], Document], duplicated: dict[str, tuple[str, int]]) -> Iterator[Any]:
+    position, doc = item
+    kept = duplicated.get(doc.id)
+    if kept is None or tuple(kept) == tuple(position):
+        yield doc
+    else:
+        yield from _emit(DeadLetter(doc_id=doc.id, source=doc.source, reason="duplicate_id",
+                                    detail=f"id {doc.id!r} read again at {position[0]}:{position[1]}; "
+                                           f"kept the copy at {kept[0]}:{kept[1]}"))
 
 
 class DropDuplicateIds(beam.PTransform):
+    """Only ids and positions are shuffled; documents stay where they are and are filtered against a side input."""
+
     def expand(self, docs: beam.PCollection) -> pvalue.DoOutputsTuple:
-        return (
+        duplicated = (
             docs
-            | "KeyById" >> beam.Map(lambda d: (d.id, d))
+            | "IdAndPosition" >> beam.Map(lambda item: (item[1].id, item[0]))
             | "GroupById" >> beam.GroupByKey()
-            | "KeepOne" >> beam.FlatMap(keep_one_per_id).with_outputs(DEAD, main=MAIN)
+            | "FirstPosition" >> beam.FlatMap(first_position)
         )
+        return docs | "KeepFirstCopy" >> beam.FlatMap(keep_first_copy, pvalue.AsDict(duplicated)).with_outputs(
+            DEAD, main=MAIN)
 
 
 class _DecodeImagesFn(beam.DoFn):
