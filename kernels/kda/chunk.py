@@ -50,8 +50,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         gate = (A_log, dt_bias, g_min)
         prec = _precisions(q.dtype)
         Aqk, Ainv, w, u = chunk_kda_fwd_intra(q, k, v, g, beta, gate, chunks, prec)
-        o, ht, h = chunk_kda_fwd_h(q, k, g, gate, w, u, Aqk, scale, h0, output_final_state,
-                                   any(ctx.needs_input_grad), cu_seqlens, chunk_offsets, chunks.shape[0], prec[0])
+        o, ht, h = chunk_kda_fwd_h(q, k, g, gate, w, u, chunks, Aqk, scale, h0, output_final_state,
+                                   any(ctx.needs_input_grad), cu_seqlens, chunk_offsets, prec[0])
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, h, cu_seqlens, chunk_offsets,
                               chunks)
         ctx.meta = (B, T, g_min, scale, h0 is not None, initial_state.dtype if h0 is not None else None)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.kda.chunk_intra import anchor_exponents
-from kernels.kda.chunk_fwd import STATE_PASS_SPACE
+from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chunk_kda_decay
 from kernels.kda.gate import load_log_decay, log_decay_grad
 from kernels.kda.tuning import configs, fit_v
 
@@ -22,9 +22,8 @@ from kernels.kda.tuning import configs, fit_v
                  prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dh_kernel(
-    q, k, g, A_log, dt_bias, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -49,28 +48,25 @@ def chunk_kda_bwd_dh_kernel(
         tl.store(dh + ((c0 + i_t) * H + i_h) * K * V + p_s, b_dS.to(dh.dtype.element_ty))
         p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
         p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
-        b_G = tl.cumsum(b_g, 0)
-        b_gam = tl.sum(b_g, 0)
+        b_kd = tl.load(kd + p_k, mask=m_t[:, None], other=0.)
+        b_qg = tl.load(qg + p_k, mask=m_t[:, None], other=0.)
+        b_gam = tl.load(gam + ((c0 + i_t) * H + i_h) * K + o_k)
         b_w = tl.load(w + p_k, mask=m_t[:, None], other=0.)
         b_A = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_t[:, None], other=0.)
         b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.).to(dt)
 
-        b_kd = (b_k * tl.exp(b_gam[None, :] - b_G)).to(dt)
         b_dvn = tl.dot(tl.trans(b_A.to(dt)), b_do, input_precision=PREC) * scale
         b_dvn += tl.dot(b_kd, b_dS.to(dt), input_precision=PREC)
         tl.store(dvn + p_v, b_dvn.to(dvn.dtype.element_ty), mask=m_t[:, None])
-        b_qg = (b_q * tl.exp(b_G) * scale).to(dt)
-        b_dS = b_dS * tl.exp(b_gam)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
+        b_dS = b_dS * tl.exp(b_gam)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC) * scale
         b_dS -= tl.dot(tl.trans(b_w), b_dvn.to(dt), input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_s, b_dS)
 
 
-@triton.autotune(configs([({"BV": 32}, 4), ({"BV": 64}, 8), ({"BV": 64}, 4)]), key=["H", "K", "V"],
-                 prune_configs_by={"early_config_prune": fit_v})
+# Narrow K blocks keep the many [BT, BK] gradient tiles in registers at the price of repeating the V-loop products.
+@triton.autotune(configs([({"BV": 32, "BK": 32}, 8), ({"BV": 64, "BK": 32}, 8), ({"BV": 64, "BK": 64}, 8)]),
+                 key=["H", "K", "V"], restore_value=["dbeta"], prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_kernel(
     q, k, v, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dq, dk, dv, dg, dbeta, chunks, scale,
@@ -172,18 +168,16 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dh = torch.empty_like(h)
     dvn = torch.empty_like(vn)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if has_h0 else None
+    qg, kd, gam = chunk_kda_decay(q, k, g, gate, chunks)
     chunk_kda_bwd_dh_kernel[lambda meta: (V // meta["BV"], N * H)](
-        q, k, g, A_log, dt_bias, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
-        H=H, K=K, V=V, BT=64, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min,
-        USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec,
+        qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+        H=H, K=K, V=V, BT=64, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec,
     )
-    BK = min(K, 64)
-    NK = K // BK
     dq, dk, dv, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
-    dbeta = q.new_empty(NK, T, H, dtype=torch.float32)
-    chunk_kda_bwd_kernel[(chunks.shape[0], H, NK)](
+    dbeta = q.new_zeros(K // 32, T, H, dtype=torch.float32)   # one partial sum per K block (at most K / 32)
+    chunk_kda_bwd_kernel[lambda meta: (chunks.shape[0], H, K // meta["BK"])](
         q, k, v, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dq, dk, dv, dg, dbeta, chunks, scale,
-        T, H=H, K=K, V=V, BT=64, BC=16, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias,
+        T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias,
         G_MIN=g_min, PREC=prec,
     )
     return dq, dk, dv, dg, dbeta.sum(0, keepdim=True), dh0

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import load_log_decay
-from kernels.kda.tuning import configs
 
 
 @triton.jit
@@ -50,7 +49,6 @@ def solve_unit_lower(b_L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr
     return b_T
 
 
-@triton.autotune(configs([({}, 4), ({}, 8)]), key=["H", "K", "V"])
 @triton.jit
 def chunk_kda_fwd_intra_kernel(
     q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, chunks,
@@ -119,5 +117,6 @@ def chunk_kda_fwd_intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, chunks,
         H=H, K=K, V=V, BT=64, BC=16, BK=min(K, 64), BV=min(V, 64),
         USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min, PREC=prec[0], SOLVE_PREC=prec[1],
+        num_warps=8,
     )
     return Aqk, Ainv, w, u
