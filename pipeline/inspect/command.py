@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from pipeline.inspect.reader import ShardReadError
 from pipeline.inspect.target import resolve_target
@@ -28,7 +29,7 @@ def run_inspect(args: argparse.Namespace, console: Console) -> int:
     try:
         target = resolve_target(args.path)
     except (FileNotFoundError, ValueError) as exc:
-        console.print(f"[red]inspect: {exc}[/red]")
+        console.print(f"[red]inspect: {escape(str(exc))}[/red]", soft_wrap=True)
         return 2
     tokenizer = load_tokenizer(args.tokenizer)
     status = 0
@@ -52,7 +53,7 @@ def run_inspect(args: argparse.Namespace, console: Console) -> int:
                 for path in export_sample(sample, parts, args.export):
                     log.info("exported %s", path)
         except (LookupError, ShardReadError, ValueError, OSError) as exc:
-            console.print(f"[red]inspect --sample: {exc}[/red]")
+            console.print(f"[red]inspect --sample: {escape(str(exc))}[/red]", soft_wrap=True)
             return 1
     if args.html or not (args.verify or args.sample is not None):
         from pipeline.inspect.summary import print_summary, summarize

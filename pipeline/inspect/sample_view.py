@@ -24,7 +24,7 @@ from pipeline.inspect.target import Target
 from tokenization.tokenizer import TextTokenizer
 
 __all__ = ["TextPart", "ImagePart", "PiecePart", "PaddingPart", "Part", "find_sample", "sample_parts",
-           "parts_text", "print_sample", "export_sample", "UnsafeExport"]
+           "parts_text", "print_sample", "export_sample", "write_inside", "UnsafeExport"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -142,13 +142,13 @@ def print_sample(sample: Sample, parts: list[Part], console: Console) -> None:
                         ("tokens used", f"{meta.used_tokens:,} ({meta.used_tokens / meta.seq_len:.2%})"),
                         ("padding", f"{meta.pad_tokens:,}"), ("pieces", str(len(meta.provenance))),
                         ("images", str(len(meta.image_spans))), ("loss mask", meta.loss_mask)):
-        head.add_row(name, value)
+        head.add_row(name, Text(value))
     console.print(head)
     provenance = Table(title="provenance")
     for column in ("#", "document", "piece", "document tokens", "sample tokens"):
         provenance.add_column(column, justify="right" if column != "document" else "left")
     for i, p in enumerate(meta.provenance):
-        provenance.add_row(str(i), p.doc_id, str(p.piece_index), f"[{p.token_start}, {p.token_end})",
+        provenance.add_row(str(i), Text(p.doc_id), str(p.piece_index), f"[{p.token_start}, {p.token_end})",
                            f"[{meta.cu_seqlens[i]}, {meta.cu_seqlens[i + 1]})")
     console.print(provenance)
     text = Text()
@@ -166,7 +166,7 @@ class UnsafeExport(ValueError):
     """An export path would leave the export folder."""
 
 
-def _write_inside(folder: Path, name: str, data: bytes) -> Path:
+def write_inside(folder: Path, name: str, data: bytes) -> Path:
     """Write ``folder/name``, refusing any name that resolves outside ``folder`` or through a symlink."""
     path = folder / name
     if path.parent.resolve() != folder.resolve() or not path.resolve().is_relative_to(folder.resolve()):
@@ -181,13 +181,13 @@ def export_sample(sample: Sample, parts: list[Part], folder: Path) -> list[Path]
     """``<key>.txt``, ``<key>.meta.json`` and ``<key>.img0000.jpg``… under ``folder``; returns the written paths."""
     folder.mkdir(parents=True, exist_ok=True)
     key = sample.meta.key
-    written = [_write_inside(folder, f"{key}.txt", parts_text(parts).encode("utf-8")),
-               _write_inside(folder, f"{key}.meta.json", sample.meta.to_json())]
+    written = [write_inside(folder, f"{key}.txt", parts_text(parts).encode("utf-8")),
+               write_inside(folder, f"{key}.meta.json", sample.meta.to_json())]
     for member, data in zip(sample.meta.image_members, sample.images):
         name = f"{key}.{member}"
         try:
             split_member(name)  # the same name rule the reader enforces on shard members
         except ValueError as exc:
             raise ShardReadError(sample.shard, key, f"not exported: {exc}") from None
-        written.append(_write_inside(folder, name, data))
+        written.append(write_inside(folder, name, data))
     return written

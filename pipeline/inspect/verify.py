@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from pipeline.dead_letters import DeadLetter
 from pipeline.inspect.reader import ShardReadError, expand_tar, group_by_key, open_shards
@@ -270,7 +271,7 @@ def print_report(report: VerifyReport, console: Console) -> None:
         for column in ("file", "sample / line", "problem"):
             table.add_column(column, overflow="fold")
         for p in report.problems:
-            table.add_row(p.file, p.where, p.what)
+            table.add_row(Text(p.file), Text(p.where), Text(p.what))  # problem text is never markup
         console.print(table)
     verdict = "[green]OK[/green]" if report.ok else f"[red]{len(report.problems)} problem(s)[/red]"
     console.print(f"verified {report.shards} shard(s), {report.samples:,} samples, {report.bytes / 2**20:,.1f} MiB "
