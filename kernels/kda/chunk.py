@@ -80,8 +80,33 @@ class ChunkKDAFunction(torch.autograd.Function):
                 dh0.to(h0_dtype) if has_h0 else None, None, None)
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6).to(x.dtype)
+class L2Norm(torch.autograd.Function):
+    """x / sqrt(sum_k x^2 + 1e-6) over the last dim, in float32 slices of 64K rows so that a 1M-token input needs
+    no full-size float32 temporaries."""
+
+    SLICE = 1 << 16
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.empty_like(flat)
+        r = flat.new_empty(flat.shape[0], 1, dtype=torch.float32)
+        for i in range(0, flat.shape[0], L2Norm.SLICE):
+            xs = flat[i:i + L2Norm.SLICE].float()
+            r[i:i + L2Norm.SLICE] = torch.rsqrt(xs.pow(2).sum(-1, keepdim=True) + 1e-6)
+            y[i:i + L2Norm.SLICE] = xs * r[i:i + L2Norm.SLICE]
+        ctx.save_for_backward(x, r)
+        return y.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
+        x, r = ctx.saved_tensors
+        flat, dflat = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+        dx = torch.empty_like(flat)
+        for i in range(0, flat.shape[0], L2Norm.SLICE):
+            xs, ds, rs = flat[i:i + L2Norm.SLICE].float(), dflat[i:i + L2Norm.SLICE].float(), r[i:i + L2Norm.SLICE]
+            dx[i:i + L2Norm.SLICE] = rs * ds - xs * rs.pow(3) * (xs * ds).sum(-1, keepdim=True)
+        return dx.view_as(x)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -166,7 +191,7 @@ def chunk_kda(
     _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, g_min)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = L2Norm.apply(q), L2Norm.apply(k)
     if not (q.is_cuda or INTERPRET):
         decay = kda_gate(g, A_log, dt_bias, g_min) if A_log is not None else g
         o, final = naive_chunk_kda(q, k, v, decay, beta, scale=scale, initial_state=initial_state,

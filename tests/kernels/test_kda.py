@@ -131,6 +131,22 @@ def test_in_kernel_gate_matches_recurrence() -> None:
         assert rel_err(leaves[n].grad, refs[n].grad) <= 1e-4, n
 
 
+def test_qk_l2norm_option_matches_recurrence() -> None:
+    """use_qk_l2norm: the same as normalising q and k first, gradients included."""
+    case = make_inputs(1, 40, 2, 32, 32, True)
+    case["inputs"]["q"] = case["inputs"]["q"] * 3
+
+    def normalised_recurrence(q, k, *args, **kw):
+        return naive_recurrent_kda(torch.nn.functional.normalize(q, dim=-1, eps=0.0),
+                                   torch.nn.functional.normalize(k, dim=-1, eps=0.0), *args, **kw)
+
+    o_ref, ht_ref, g_ref, grad_out = run(normalised_recurrence, case["inputs"], None, None)
+    o, ht, grads, _ = run(chunk_kda, case["inputs"], None, grad_out, use_qk_l2norm=True)
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(ht, ht_ref) <= 1e-4
+    for n in grads:
+        assert rel_err(grads[n], g_ref[n]) <= 1e-4, n
+
+
 def test_naive_chunk_matches_recurrence() -> None:
     case = make_inputs(1, 200, 2, 32, 32, True, n_docs=3, device="cpu")
     check = {n: t for n, t in case["inputs"].items()}
