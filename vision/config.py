@@ -3,7 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["VisionEncoderConfig"]
+__all__ = ["VisionEncoderConfig", "require_positive_ints"]
+
+
+def require_positive_ints(owner: object, *names: str) -> None:
+    """Config check shared by the model configs: each named field is an int >= 1 (bools refused), else a
+    ``ValueError`` naming ``Class.field``."""
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(owner).__name__}.{name}: must be a positive int, got {value!r}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -22,10 +31,7 @@ class VisionEncoderConfig:
     checkpoint_layers: bool = False  # recompute each block in backward (long packs of images)
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "merge", "d_model", "n_layers", "n_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"VisionEncoderConfig.{name}: must be a positive int, got {value!r}")
+        require_positive_ints(self, "patch_size", "merge", "d_model", "n_layers", "n_heads")
         if self.d_model % self.n_heads:
             raise ValueError(f"VisionEncoderConfig.n_heads: must divide d_model={self.d_model}, got {self.n_heads}")
         if self.head_dim % 4:

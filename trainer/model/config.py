@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from vision.config import VisionEncoderConfig
+from vision.config import VisionEncoderConfig, require_positive_ints
 
 __all__ = [
     "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "ModelConfig", "VisionEncoderConfig",
@@ -18,13 +18,6 @@ __all__ = [
 
 LayerKind = Literal["kda", "mla"]
 LAYER_KINDS = ("kda", "mla")
-
-
-def _positive_ints(owner: object, *names: str) -> None:
-    for name in names:
-        value = getattr(owner, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{type(owner).__name__}.{name}: must be a positive int, got {value!r}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -39,7 +32,7 @@ class KDAConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "n_heads", "head_dim", "conv_size")
+        require_positive_ints(self, "n_heads", "head_dim", "conv_size")
         if not -5.0 <= self.gate_lower_bound < 0:
             raise ValueError(f"KDAConfig.gate_lower_bound: must lie in [-5, 0) (kernel exponent range), "
                              f"got {self.gate_lower_bound}")
@@ -54,7 +47,7 @@ class MLAConfig:
     kv_rank: int = 512
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "n_heads", "head_dim", "kv_rank")
+        require_positive_ints(self, "n_heads", "head_dim", "kv_rank")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -73,7 +66,7 @@ class MoEConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "n_experts", "top_k", "d_expert", "d_dense")
+        require_positive_ints(self, "n_experts", "top_k", "d_expert", "d_dense")
         if self.top_k >= self.n_experts:
             # The balancer reads the (k+1)-th largest score, so at least one expert must stay unchosen.
             raise ValueError(f"MoEConfig.top_k: must be < n_experts={self.n_experts}, got {self.top_k}")
@@ -94,7 +87,7 @@ class AttnResConfig:
     n_blocks: int = 8
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "n_blocks")
+        require_positive_ints(self, "n_blocks")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -117,7 +110,7 @@ class ModelConfig:
     checkpoint_layers: bool = False  # activation checkpointing per decoder layer
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "vocab_size", "d_model", "n_layers", "ce_chunk_tokens")
+        require_positive_ints(self, "vocab_size", "d_model", "n_layers", "ce_chunk_tokens")
         self.layer_pattern = tuple(self.layer_pattern)
         if not self.layer_pattern or any(kind not in LAYER_KINDS for kind in self.layer_pattern):
             raise ValueError(f"ModelConfig.layer_pattern: must be a non-empty sequence of {LAYER_KINDS}, "
