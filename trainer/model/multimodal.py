@@ -48,7 +48,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 probs[torch.arange(len(t), device=t.device), t] -= 1.0
                 probs = probs.to(hidden.dtype)
                 grad_hidden[start:start + chunk] = probs @ weight
-                grad_weight.addmm_(probs.t().float(), h.float())
+                grad_weight += (probs.t() @ h).float()  # GEMM in the input dtype, chunks summed in fp32
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
