@@ -54,6 +54,10 @@ class Target:
             return str(path)
 
 
+def _same(value: object) -> object:
+    return value
+
+
 def load_manifest(path: Path) -> tuple[ShardManifest | None, tuple[str, ...]]:
     """The manifest at ``path`` and the problems found reading it (none when it is valid)."""
     try:
@@ -64,19 +68,13 @@ def load_manifest(path: Path) -> tuple[ShardManifest | None, tuple[str, ...]]:
         return ShardManifest.from_json(raw), ()
     except SchemaError as exc:
         problem = str(exc)
-    try:  # keep what still parses, unvalidated, so the shards can be compared with what it claims
+    # Keep what still parses, unvalidated, so the shards can be compared with what it claims.
+    nested = {"stage": StageSpec.from_dict, "shards": lambda v: tuple(ShardEntry(**s) for s in v),
+              "documents": lambda v: DocumentCounts(**v)}
+    try:
         data = json.loads(raw)
-        manifest = ShardManifest(
-            stage=StageSpec.from_dict(data["stage"]),
-            shards=tuple(ShardEntry(**s) for s in data["shards"]),
-            tokenizer_fingerprint=data["tokenizer_fingerprint"],
-            vision_fingerprint=data["vision_fingerprint"],
-            input_fingerprint=data["input_fingerprint"],
-            documents=DocumentCounts(**data["documents"]),
-            dead_letters=dict(data["dead_letters"]),
-            packing=dict(data["packing"]),
-            format_version=data["format_version"],
-        )
+        manifest = ShardManifest(**{f.name: nested.get(f.name, _same)(data[f.name])
+                                    for f in dataclasses.fields(ShardManifest)})
     except (ValueError, KeyError, TypeError, AttributeError):
         return None, (problem,)
     return manifest, (problem,)
