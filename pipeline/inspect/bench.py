@@ -4,9 +4,9 @@
 
 The files are read once first so both sides find them in the page cache (hashing, not the disk, is then the floor
 sha256sum sets); they are timed alternately, wall clock, and the medians compared. A second anchor, Python's
-``hashlib`` (OpenSSL, which uses the CPU's SHA extensions where coreutils may not), shows the hashing floor itself. ``verify`` is timed in process
-(imports and tokenizer loading excluded), covering everything ``--verify`` does: hashing, tar walk, every sample check,
-reconciliation.
+``hashlib`` (OpenSSL, which uses the CPU's SHA extensions where coreutils may not), shows the hashing floor itself.
+``verify`` is timed in process (imports and tokenizer loading excluded), covering everything ``--verify`` does:
+hashing, tar walk, every sample check, reconciliation.
 """
 from __future__ import annotations
 

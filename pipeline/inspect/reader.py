@@ -79,7 +79,7 @@ class Sample:
 
 def split_member(name: str) -> tuple[str, str]:
     """``(key, suffix)`` of a member name, or ``ValueError`` saying why the name is not one a shard may hold."""
-    if "/" in name or "\\" in name or name.startswith(".") or ".." in name.split("/"):
+    if "/" in name or "\\" in name or name.startswith("."):
         raise ValueError(f"member {name!r}: unsafe name (path separator or leading dot)")
     key, suffix = base_plus_ext(name)
     if key is None:
@@ -167,7 +167,8 @@ def group_by_key(members: Iterable[Member], handler: Handler = reraise) -> Itera
                 yield current
             current = None
             if key in seen:
-                handler(ShardReadError(member.shard, key, f"member {member.name!r} is apart from the rest of its sample"))
+                problem = f"member {member.name!r} is apart from the rest of its sample"
+                handler(ShardReadError(member.shard, key, problem))
                 continue
             seen.add(key)
             current = {KEY: key, SHARD: member.shard}

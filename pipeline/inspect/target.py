@@ -108,7 +108,8 @@ def resolve_target(path: str | Path) -> Target:
         return Target(root=path.parent, stages=(stage,), dead_letters=None)
     if (path / MANIFEST_NAME).exists() or any(path.glob("*.tar")):
         dead = path.parent / DEAD_LETTERS_DIR
-        return Target(root=path.parent, stages=(_stage(path, None, None),), dead_letters=dead if dead.is_dir() else None)
+        return Target(root=path.parent, stages=(_stage(path, None, None),),
+                      dead_letters=dead if dead.is_dir() else None)
     folders = sorted((p for p in path.iterdir() if p.is_dir() and p.name != DEAD_LETTERS_DIR
                       and ((p / MANIFEST_NAME).exists() or any(p.glob("*.tar")))), key=_stage_sort_key)
     if not folders:

@@ -141,7 +141,8 @@ class _StageVerifier:
         self.report.shards += 1
         self.report.samples += tally.samples
         self.report.bytes += size
-        entry = next((s for s in self.stage.manifest.shards if s.path == path.name), None) if self.stage.manifest else None
+        listed = self.stage.manifest.shards if self.stage.manifest else ()
+        entry = next((s for s in listed if s.path == path.name), None)
         if entry is None:
             return
         if sha256 != entry.sha256:
@@ -165,7 +166,8 @@ class _StageVerifier:
                     self.problem(file, piece.key, f"{label} {what}")
                     break
                 if piece.start != position:
-                    gap = "overlaps the previous piece" if piece.start < position else "leaves a gap after the previous piece"
+                    gap = ("overlaps the previous piece" if piece.start < position
+                           else "leaves a gap after the previous piece")
                     self.problem(file, piece.key, f"{label} starts at token {piece.start}: {gap} (ends at {position})")
                 position = piece.end
                 last = i == len(seen) - 1
@@ -218,7 +220,8 @@ def _reconcile_documents(verifier: _StageVerifier, letters: list[tuple[str, int,
             found, claimed = counted.get(reason, 0), manifest.dead_letters.get(reason, 0)
             if found != claimed:
                 file = target.relative(target.dead_letters / f"{reason}.jsonl")
-                verifier.problem(file, "", f"{found} dead letters of stage {stage.name!r}; its manifest counts {claimed}")
+                verifier.problem(file, "", f"{found} dead letters of stage {stage.name!r}; "
+                                           f"its manifest counts {claimed}")
     for file, number, letter in mine:
         # duplicate_id letters name the id of the copy that was kept and packed.
         if letter.reason != "duplicate_id" and letter.doc_id in packed:
@@ -244,7 +247,8 @@ def _check_fingerprints(target: Target, tokenizer: TextTokenizer, policy: Vision
                                                      f"documents, fingerprint {fingerprint[:12]}…"))
 
 
-def verify(target: Target, tokenizer: TextTokenizer, policy: VisionPolicy, *, decode_images: bool = False) -> VerifyReport:
+def verify(target: Target, tokenizer: TextTokenizer, policy: VisionPolicy, *,
+           decode_images: bool = False) -> VerifyReport:
     """Run every check over ``target``; the report lists the problems sorted by file, then place."""
     started = time.perf_counter()
     report = VerifyReport()

@@ -1,4 +1,4 @@
-"""``inspect --sample`` and ``--export``: one sample decoded with markers, and an export that stays inside its folder."""
+"""``inspect --sample`` and ``--export``: one sample decoded with markers, an export that stays inside its folder."""
 from __future__ import annotations
 
 import io
@@ -108,5 +108,6 @@ def test_hostile_member_names_never_write_outside(packed_small: Path, tmp_path: 
 def test_parts_text_puts_markers_inline() -> None:
     parts = [PiecePart("doc", 0, 0, 9, 0), TextPart("<|bos|>a"), ImagePart("img0000.jpg", (56, 28), 2, b""),
              TextPart("b<|eos|>"), PaddingPart(3)]
-    assert parts_text(parts) == ("── document doc · piece 0 · document tokens [0, 9) at sample position 0 ──\n"
+    assert parts_text(parts) == ("── document doc · piece 0 · document tokens [0, 9) at sample position 0 ──"
+                                 "\n"
                                  "<|bos|>a[image 56×28 → 2 tokens]b<|eos|>[padding: 3 tokens]\n")

@@ -56,8 +56,8 @@ def test_cli_exit_status_and_json(packed_small: Path, packed: Path, capsys: pyte
     assert main(["inspect", str(packed), "--verify", "--json"]) == 1
     result = json.loads(capsys.readouterr().out)
     assert not result["ok"]
-    assert {"file": shard_file(shard), "where": "", "what": "member '../x': unsafe name (path separator or leading dot)"} \
-        in result["problems"]
+    unsafe = "member '../x': unsafe name (path separator or leading dot)"
+    assert {"file": shard_file(shard), "where": "", "what": unsafe} in result["problems"]
 
 
 def test_flipped_byte_in_member_data(packed: Path) -> None:
@@ -100,7 +100,8 @@ def test_truncated_tar_is_reported(packed: Path, cut: str) -> None:
     shard.write_bytes(shard.read_bytes()[:end])
     mine = [p.what for p in run_verify(packed).problems if p.file == shard_file(shard) and p.where == ""]
     if cut == "mid-member":
-        assert any(w.startswith("corrupt or truncated tar at byte") and "unexpected end of data" in w for w in mine), mine
+        assert any(w.startswith("corrupt or truncated tar at byte") and "unexpected end of data" in w
+                   for w in mine), mine
     else:
         assert f"truncated: the archive ends at byte {end} without its end-of-archive marker" in mine
     assert any(w.startswith(f"holds {end:,} bytes") for w in mine)
@@ -182,8 +183,8 @@ def test_wrong_image_grid_in_meta(packed: Path) -> None:
         i = next(i for i, s in enumerate(meta["image_spans"]) if s[2] != s[3])
         start, n, h, w = meta["image_spans"][i]
         meta["image_spans"][i] = [start, n, w, h]
-        swap_grid.expected = (f"img{i:04d}.jpg: a {w * 28}×{h * 28} image has a {h}×{w} grid under the vision policy; "
-                              f"its span says {w}×{h}")
+        swap_grid.expected = (f"img{i:04d}.jpg: a {w * 28}×{h * 28} image has a {h}×{w} grid under the vision "
+                              f"policy; its span says {w}×{h}")
         return with_meta(members, key, meta)
 
     rewrite(shard, swap_grid)
