@@ -19,7 +19,7 @@ from .swiglu import swiglu
 def moe_experts(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, backend: str) -> torch.Tensor:
     """Routed SwiGLU experts on rows sorted by expert: x_sorted `[N, d]`, w13 `[E, d, 2F]`,
     w2 `[E, F, d]`, offs int32 `[E]` -> `[N, d]`."""
-    return _grouped_mm(swiglu(_grouped_mm(x_sorted, w13, offs, backend)), w2, offs, backend)
+    return _grouped_mm(swiglu(_grouped_mm(x_sorted, w13, offs, backend), backend), w2, offs, backend)
 
 
 class MoELayer(nn.Module):
@@ -99,7 +99,7 @@ class MoELayer(nn.Module):
         y = moe_experts(permute(tokens, plan), self.w13, self.w2, plan.offs, backend)
         out = combine(y, routing.gates, plan)
         if self.shared13 is not None:
-            out = out + swiglu(tokens @ self.shared13) @ self.shared2
+            out = out + swiglu(tokens @ self.shared13, backend) @ self.shared2
         return out.view(x.shape)
 
     def step_balance(self) -> LoadStats | None:

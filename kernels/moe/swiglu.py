@@ -1,7 +1,7 @@
 """SwiGLU activation on the fused gate|up projection: `a = silu(h[:, :F]) * h[:, F:]`.
 
 One Triton pass each way (fp32 math, the gate's sigmoid recomputed in backward instead of stored);
-plain PyTorch on CPU without the interpreter.
+plain PyTorch on the loop (reference) path.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .grouped_gemm import interpreting
+from .grouped_gemm import resolve_backend
 
 BLOCK = 1024
 
@@ -80,9 +80,10 @@ class SwiGLUFunction(torch.autograd.Function):
         return swiglu_bwd(h, da.contiguous())
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of h `[M, 2F]` (gate columns first) -> `[M, F]`, same dtype."""
-    if h.is_cuda or interpreting():
+def swiglu(h: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """SwiGLU of h `[M, 2F]` (gate columns first) -> `[M, F]`, same dtype. The Triton kernel runs
+    unless the (grouped GEMM) backend resolves to the plain per-expert loop."""
+    if resolve_backend(backend, h) != "loop":
         return SwiGLUFunction.apply(h)
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
