@@ -63,11 +63,13 @@ def write_stage(folder: Path, shards: Sequence[Sequence[PackedSample]], template
 @pytest.fixture
 def make_stage(tmp_path: Path, pool: list[PackedSample], light_pool: list[PackedSample],
                packed_small: Path) -> MakeStage:
-    """``make_stage(sizes, light=True, name="stage")``: a stage with ``sizes[i]`` samples in shard ``i``, drawn
-    cyclically from the pool and re-keyed ``s<shard>-<index>`` so every sample of the stage has its own key."""
+    """``make_stage(sizes, light=True, name="stage", samples=None)``: a stage with ``sizes[i]`` samples in shard
+    ``i``, drawn cyclically from ``samples`` (default: the light pool, or the whole pool with ``light=False``) and
+    re-keyed ``s<shard>-<index>`` so every sample of the stage has its own key."""
 
-    def make(sizes: Sequence[int], *, light: bool = True, name: str = "stage") -> Path:
-        source = light_pool if light else pool
+    def make(sizes: Sequence[int], *, light: bool = True, name: str = "stage",
+             samples: Sequence[PackedSample] | None = None) -> Path:
+        source = samples if samples is not None else light_pool if light else pool
         shards, n = [], 0
         for i, size in enumerate(sizes):
             shards.append([rekeyed(source[(n + j) % len(source)], f"s{i:03d}-{j:04d}") for j in range(size)])
@@ -77,10 +79,22 @@ def make_stage(tmp_path: Path, pool: list[PackedSample], light_pool: list[Packed
     return make
 
 
-def corrupt_member(shard: Path, key: str, suffix: str) -> None:
+def _corrupt_member(shard: Path, key: str, suffix: str) -> None:
     """Overwrite the data of member ``<key>.<suffix>`` in place with 0xFF bytes (same size, headers intact)."""
     with tarfile.open(shard) as tar:
         info = tar.getmember(f"{key}.{suffix}")
     with open(shard, "r+b") as handle:
         handle.seek(info.offset_data)
         handle.write(b"\xff" * info.size)
+
+
+@pytest.fixture
+def corrupt_member() -> Callable[[Path, str, str], None]:
+    """``corrupt_member(shard, key, suffix)``: garble one member's bytes in place, as a bad disk or copy would."""
+    return _corrupt_member
+
+
+@pytest.fixture
+def direct_samples() -> Callable[[str | Path], list[PackedSample]]:
+    """``direct_samples(shard)``: the shard read with plain webdataset, the oracle the loader is compared with."""
+    return read_samples

@@ -182,14 +182,23 @@ class StreamingLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._generation += 1
         generation = self._generation
-        for batch, skipped in self._data_loader():
-            if generation != self._generation:
-                raise RuntimeError("StreamingLoader: this iterator was replaced by a newer iter(loader)")
-            for shard, key, problem in skipped:
-                log.warning("skipped bad sample (shard %r, key %r): %s", shard, key, problem)
-            self.skipped += len(skipped)
-            self.position = self.plan.advance(self.position)
-            yield batch
+        batches = iter(self._data_loader())
+        try:
+            for batch, skipped in batches:
+                if generation != self._generation:
+                    raise RuntimeError("StreamingLoader: this iterator was replaced by a newer iter(loader)")
+                for shard, key, problem in skipped:
+                    log.warning("skipped bad sample (shard %r, key %r): %s", shard, key, problem)
+                self.skipped += len(skipped)
+                self.position = self.plan.advance(self.position)
+                yield batch
+        finally:
+            # Stop the workers now, on every exit (done, dropped, or an error). Left to the iterator's __del__, an
+            # error's traceback keeps it alive until a garbage-collection pass, where torch's shutdown (measured,
+            # torch 2.14) waits out its 5 s status interval per worker before the worker sees the stop signal.
+            shutdown = getattr(batches, "_shutdown_workers", None)  # only the multi-process iterator has workers
+            if shutdown is not None:
+                shutdown()
 
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state: class tag, format version, what the order depends on, and the position."""
