@@ -132,14 +132,15 @@ def tile_schedule(offs: torch.Tensor, n_rows: int, block_m: int) -> tuple[torch.
     return tile_expert.to(torch.int32), start.to(torch.int32)
 
 
-def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Triton launch: x `[M, K]` (rows sorted by expert), w `[E, K, N]` (any strides) -> `[M, N]`."""
+def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, cfg: dict[str, int] | None = None) -> torch.Tensor:
+    """Triton launch: x `[M, K]` (rows sorted by expert), w `[E, K, N]` (any strides) -> `[M, N]`.
+    cfg overrides the tile shape (the benchmark's sweep)."""
     n_rows, k = x.shape
     n = w.shape[2]
     y = torch.empty(n_rows, n, dtype=x.dtype, device=x.device)
     if n_rows == 0:
         return y
-    cfg = _config(x)
+    cfg = cfg or _config(x)
     tile_expert, tile_start = tile_schedule(offs, n_rows, cfg["BLOCK_M"])
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), tile_expert.numel())
     grouped_mm_kernel[grid](

@@ -40,14 +40,18 @@ def zipf_logits(gen: torch.Generator, n_tokens: int, n_experts: int, strength: f
     return torch.randn(n_tokens, n_experts, generator=gen) + pref
 
 
+def observe_batch(balancer: QuantileBalancer, scores: torch.Tensor) -> None:
+    """Route scores `[T, E]` with the balancer's bias and let it observe them."""
+    biased, chosen = torch.topk(scores + balancer.bias, balancer.top_k + 1, dim=-1)
+    balancer.observe(scores, biased[:, -1], chosen[:, :-1])
+
+
 def balance_run(balancer: QuantileBalancer, gen: torch.Generator, steps: int) -> list[float]:
     """Route fresh Zipf batches (E=64, k=8, 16K tokens) and step the bias; the max/mean load of each step."""
     loads = []
     for _ in range(steps):
-        scores = torch.sigmoid(zipf_logits(gen, 16384, balancer.n_experts))
-        biased, chosen = torch.topk(scores + balancer.bias, balancer.top_k + 1, dim=-1)
-        balancer.observe(scores, biased[:, -1], chosen[:, :-1])
-        loads.append(balancer.step().max_over_mean)
+        observe_batch(balancer, torch.sigmoid(zipf_logits(gen, 16384, balancer.n_experts)))
+        loads.append(balancer.step().max_over_mean.item())
     return loads
 
 
@@ -56,10 +60,10 @@ def balance_run(balancer: QuantileBalancer, gen: torch.Generator, steps: int) ->
 
 @pytest.mark.parametrize("counts", [[5, 0, 37, 20], [1, 16, 17, 0, 3]], ids=["E4-empty", "E5-edges"])
 def test_grouped_mm_triton_matches_loop(counts: list[int]) -> None:
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    x = torch.randn(sum(counts), 24, requires_grad=True)
-    w = torch.randn(len(counts), 24, 40, requires_grad=True)
-    dy = torch.randn(sum(counts), 40)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)
+    x = torch.randn(sum(counts), 24, device=DEVICE, requires_grad=True)
+    w = torch.randn(len(counts), 24, 40, device=DEVICE, requires_grad=True)
+    dy = torch.randn(sum(counts), 40, device=DEVICE)
     out = grouped_mm(x, w, offs, backend="triton")
     dx, dw = torch.autograd.grad(out, (x, w), dy)
     ref = loop_grouped_mm(x, w, offs)
@@ -69,8 +73,8 @@ def test_grouped_mm_triton_matches_loop(counts: list[int]) -> None:
 
 
 def test_swiglu_matches_reference() -> None:
-    h = torch.randn(37, 2 * 48, requires_grad=True)
-    da = torch.randn(37, 48)
+    h = torch.randn(37, 2 * 48, device=DEVICE, requires_grad=True)
+    da = torch.randn(37, 48, device=DEVICE)
     out = swiglu(h)
     (dh,) = torch.autograd.grad(out, h, da)
     gate, up = h.chunk(2, dim=-1)
@@ -104,10 +108,10 @@ def test_permute_combine_matches_scatter_add() -> None:
 @pytest.mark.parametrize("backend", ["triton", "loop"])
 def test_layer_matches_naive_fp32(backend: str) -> None:
     torch.manual_seed(1)
-    layer = MoELayer(32, 16, 6, 2, n_shared=1, gate_scale=2.5, backend=backend)
+    layer = MoELayer(32, 16, 6, 2, n_shared=1, gate_scale=2.5, backend=backend).to(DEVICE)
     layer.balancer.bias.copy_(torch.randn(6) * 0.1)
-    x = torch.randn(2, 12, 32, requires_grad=True)
-    dout = torch.randn(2, 12, 32)
+    x = torch.randn(2, 12, 32, device=DEVICE, requires_grad=True)
+    dout = torch.randn(2, 12, 32, device=DEVICE)
     params = [layer.router, layer.w13, layer.w2, layer.shared13, layer.shared2]
     out = layer(x)
     grads = torch.autograd.grad(out, [x, *params], dout)
@@ -143,8 +147,7 @@ def test_histogram_within_resolution_of_exact() -> None:
     for method in ("exact", "histogram"):
         balancer = QuantileBalancer(32, 4, method=method)
         balancer.bias.copy_(bias)
-        biased, chosen = torch.topk(scores + bias, 5, dim=-1)
-        balancer.observe(scores, biased[:, -1], chosen[:, :-1])
+        observe_batch(balancer, scores)
         balancer.step()
         results[method] = balancer.bias
     width = (bias.max() - bias.min() + 2).item() / 1000
@@ -188,7 +191,7 @@ def toy_train(balance: bool, steps: int) -> tuple[list[float], list[float]]:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        loads.append(balancer.step().max_over_mean)
+        loads.append(balancer.step().max_over_mean.item())
     return losses, loads
 
 
@@ -211,9 +214,7 @@ def _dp_worker(rank: int, init_file: str, out_dir: str) -> None:
     balancer = QuantileBalancer(64, 8)
     assert balancer.uses_histogram()
     balancer.bias.copy_(bias)
-    mine = scores[rank * half:(rank + 1) * half]
-    biased, chosen = torch.topk(mine + bias, 9, dim=-1)
-    balancer.observe(mine, biased[:, -1], chosen[:, :-1])
+    observe_batch(balancer, scores[rank * half:(rank + 1) * half])
     stats = balancer.step()
     torch.save({"bias": balancer.bias, "load": stats.tokens_per_expert}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -234,8 +235,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path) -> None:
     for method in ("exact", "histogram"):
         balancer = QuantileBalancer(64, 8, method=method)
         balancer.bias.copy_(bias)
-        biased, chosen = torch.topk(scores + bias, 9, dim=-1)
-        balancer.observe(scores, biased[:, -1], chosen[:, :-1])
+        observe_batch(balancer, scores)
         stats = balancer.step()
         results[method] = (balancer.bias, stats.tokens_per_expert)
     width = (bias.max() - bias.min() + 2).item() / 1000
