@@ -81,10 +81,10 @@ class ChunkKDAFunction(torch.autograd.Function):
 
 
 class L2Norm(torch.autograd.Function):
-    """x / sqrt(sum_k x^2 + 1e-6) over the last dim, in float32 slices of 64K rows so that a 1M-token input needs
+    """x / sqrt(sum_k x^2 + 1e-6) over the last dim, in float32 slices of 1M rows so that a 1M-token input needs
     no full-size float32 temporaries."""
 
-    SLICE = 1 << 16
+    SLICE = 1 << 20
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:

@@ -31,21 +31,26 @@ def anchor_exponents(b_g, b_G, a: tl.constexpr, BT: tl.constexpr, BC: tl.constex
 def solve_unit_lower(b_L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """(I + L)^-1 for strictly lower L [BT, BT], with dots only.
 
-    Diagonal BC-blocks by the Horner form of the Neumann series (X <- I - L X; row r is exact after r steps, the
-    same arithmetic as forward substitution, so no large powers of L appear), then block forward substitution.
+    Diagonal BC-blocks D = (I + L_d)^-1 by the Horner form of the Neumann series on the stacked [BT, BC] blocks
+    (X <- E - L_d X; local row r is exact after r steps, the arithmetic of forward substitution, so no large powers
+    of L appear); then (I + L)^-1 = (I + N)^-1 D with N = D L_o strictly block-lower, again by Horner (T <- D - N T).
     """
     o_t = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
     blk = o_t // BC
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    b_Ld = tl.where(blk[:, None] == blk[None, :], b_L, 0.)
-    b_D = eye
+    same = blk[:, None] == blk[None, :]
+    b_E = tl.where((o_t % BC)[:, None] == o_c[None, :], 1., 0.)
+    b_Ld = tl.where(same, b_L, 0.)
+    b_X = b_E
     for _ in range(BC - 1):
-        b_D = eye - tl.dot(b_Ld, b_D, input_precision=PREC)
-    b_Lo = tl.where(blk[:, None] > blk[None, :], b_L, 0.)
+        b_X = b_E - tl.dot(b_Ld, b_X, input_precision=PREC)
+    # Spread the stacked blocks onto the diagonal: one nonzero per sum, so exact in float32.
+    b_P = tl.where(o_c[:, None] == (o_t % BC)[None, :], 1., 0.)
+    b_D = tl.where(same, tl.dot(b_X, b_P, input_precision="ieee"), 0.)
+    b_N = tl.dot(b_D, tl.where(blk[:, None] > blk[None, :], b_L, 0.), input_precision=PREC)
     b_T = b_D
-    for a in tl.static_range(1, BT // BC):
-        b_Y = tl.dot(b_D, eye - tl.dot(b_Lo, b_T, input_precision=PREC), input_precision=PREC)
-        b_T = tl.where((blk == a)[:, None], b_Y, b_T)
+    for _ in range(BT // BC - 1):
+        b_T = b_D - tl.dot(b_N, b_T, input_precision=PREC)
     return b_T
 
 

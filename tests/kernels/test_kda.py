@@ -108,6 +108,17 @@ def test_varlen_matches_recurrence(K: int, h0: bool) -> None:
     check_against_recurrence(make_inputs(1, 150, 2, K, K, h0, n_docs=3), 1e-4)
 
 
+def test_identical_keys_without_decay_stay_exact() -> None:
+    """The hardest UT inverse: one key repeated, beta = 1, g ~ 0, so (I + A_kk) has ones everywhere below the
+    diagonal; the Horner-form inverse must still match the recurrence."""
+    case = make_inputs(1, 130, 1, 32, 32, False)
+    x = case["inputs"]
+    x["k"] = x["k"][:, :1].expand_as(x["k"]).contiguous()
+    x["g"] = torch.full_like(x["g"], -1e-3)
+    x["beta"] = torch.ones_like(x["beta"])
+    check_against_recurrence(case, 1e-4)
+
+
 def test_in_kernel_gate_matches_recurrence() -> None:
     """Raw gate input z, A_log and dt_bias: the kernel's bounded gate and its gradients (dz, dA_log, d dt_bias)."""
     case = make_inputs(1, 80, 2, 32, 32, True)
