@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .permute import expert_counts
 from .stats import LoadStats
 
 Method = Literal["auto", "exact", "histogram"]
@@ -53,7 +54,7 @@ def residual_histogram(residuals: torch.Tensor, bias: torch.Tensor, n_bins: int)
     bins = ((residuals - lo) / width).long().clamp_(0, n_bins - 1)
     n_experts = residuals.shape[1]
     flat = bins + torch.arange(n_experts, device=bins.device) * n_bins
-    return torch.bincount(flat.reshape(-1), minlength=n_experts * n_bins).view(n_experts, n_bins)
+    return expert_counts(flat, n_experts * n_bins).view(n_experts, n_bins)
 
 
 def histogram_quantile_bias(hist: torch.Tensor, bias: torch.Tensor, level: float) -> torch.Tensor:
@@ -129,7 +130,7 @@ class QuantileBalancer(nn.Module):
     @torch.no_grad()
     def observe(self, scores: torch.Tensor, alpha: torch.Tensor, expert_idx: torch.Tensor) -> None:
         """Record one forward: scores fp32 `[T, E]`, alpha fp32 `[T]`, expert_idx int64 `[T, k]`."""
-        load = torch.bincount(expert_idx.reshape(-1), minlength=self.n_experts)
+        load = expert_counts(expert_idx, self.n_experts)
         self._load = load if self._load is None else self._load + load
         if not self.enabled:
             return

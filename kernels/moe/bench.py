@@ -41,6 +41,18 @@ def time_ms(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def kernel_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    """Summed GPU kernel time of one call (torch.profiler), free of the launch gaps that dominate
+    small-kernel code timed on its own; inside the layer those launches overlap the GEMMs."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3
+
+
 def fwd_bwd(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dout: torch.Tensor,
             after: Callable[[], object] | None = None) -> Callable[[], None]:
     """One training step of module on x (grads into x and the parameters)."""
@@ -108,6 +120,8 @@ def bench_case(n_experts: int, rows: list[tuple[str, float, float]]) -> None:
                 layer.balancer.observe(r.scores, r.alpha, r.expert_idx)
                 layer.balancer.step()
             add("router + quantile update (fwd only)", lambda: router_and_update, float("nan"))
+            rows.append((f"E={n_experts} router + quantile update, GPU kernel time", kernel_ms(router_and_update), float("nan")))
+            log.warning("%s", rows[-1])
         del layer
 
     offs = torch.arange(1, n_experts + 1, device="cuda", dtype=torch.int32) * (T * K // n_experts)

@@ -43,9 +43,20 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _config(x: torch.Tensor) -> dict[str, int]:
     """Tile shape: tensor-core sized on a GPU, the smallest legal dot in the interpreter (speed)."""
-    if x.is_cuda:
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    if x.is_cuda and x.dtype == torch.float32:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
+    if x.is_cuda:  # fastest of the sweep in BENCHMARKS.md (forward x·w13 on H200)
+        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}
+
+
+def _wgrad_config(x: torch.Tensor) -> dict[str, int]:
+    """Weight-gradient tiles: BLOCK_M is the reduction step here, BLOCK_K x BLOCK_N the output tile."""
+    if x.is_cuda and x.dtype == torch.float32:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+    if x.is_cuda:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+    return _config(x)
 
 
 @triton.jit
@@ -156,7 +167,7 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> t
     k, n = x.shape[1], dy.shape[1]
     n_experts = offs.numel()
     dw = torch.empty(n_experts, k, n, dtype=x.dtype, device=x.device)
-    cfg = _config(x)
+    cfg = _wgrad_config(x)
     grid = (triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"]), n_experts)
     grouped_wgrad_kernel[grid](
         x, dy, dw, offs, k, n,

@@ -96,8 +96,8 @@ class MoELayer(nn.Module):
         if self.training:
             self.balancer.observe(routing.scores, routing.alpha, routing.expert_idx)
         backend = resolve_backend(self.backend, tokens)
-        y = moe_experts(permute(tokens, plan), self.w13, self.w2, plan.offs, backend)
-        out = combine(y, routing.gates, plan)
+        y = moe_experts(permute(tokens, plan, backend), self.w13, self.w2, plan.offs, backend)
+        out = combine(y, routing.gates, plan, backend)
         if self.shared13 is not None:
             out = out + swiglu(tokens @ self.shared13, backend) @ self.shared2
         return out.view(x.shape)
