@@ -93,8 +93,3 @@ def corrupt_member() -> Callable[[Path, str, str], None]:
     """``corrupt_member(shard, key, suffix)``: garble one member's bytes in place, as a bad disk or copy would."""
     return _corrupt_member
 
-
-@pytest.fixture
-def direct_samples() -> Callable[[str | Path], list[PackedSample]]:
-    """``direct_samples(shard)``: the shard read with plain webdataset, the oracle the loader is compared with."""
-    return read_samples

@@ -1,4 +1,5 @@
-"""Batches decode back to exactly the tokens and images of the samples, read independently with plain webdataset."""
+"""Batches decode back to exactly the tokens and images that ``longweave inspect --sample KEY`` shows for their
+samples (read through inspect's own reader, independent of the loader)."""
 from __future__ import annotations
 
 import itertools
@@ -8,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.inspect.sample_view import find_sample
+from pipeline.inspect.target import resolve_target
 from schemas.manifest import MANIFEST_NAME
 from tokenization.tokenizer import load_tokenizer
 from trainer.data import build_loader
@@ -25,18 +28,18 @@ def expected_labels(tokens: np.ndarray, cu: tuple[int, ...]) -> np.ndarray:
     return labels
 
 
-def test_batches_hold_the_samples_tokens_labels_and_images(pool: list, make_stage: Any,
-                                                           direct_samples: Any) -> None:
+def test_batches_hold_the_samples_tokens_labels_and_images(pool: list, make_stage: Any) -> None:
     with_images = sorted((s for s in pool if s.images), key=lambda s: -len(s.images))[:3]
     without = [s for s in pool if not s.images][:3]
     stage = make_stage([6], samples=with_images + without)
-    oracle = {s.meta.key: s for s in direct_samples(stage.parent / "t-000.tar")}
+    target = resolve_target(stage.parent)
     special = load_tokenizer().special
 
     loader = build_loader(stage, 0, 1, 2, 0, 3)
     batches = list(itertools.islice(iter(loader), 2))
-    rows = [(b, r) for b in batches for r in range(3)]
-    assert sorted(b["sample_keys"][r] for b, r in rows) == sorted(oracle)
+    keys = [key for b in batches for key in b["sample_keys"]]
+    assert sorted(keys) == sorted(f"s000-{i:04d}" for i in range(6))
+    oracle = {key: find_sample(target, key) for key in keys}
     for batch in batches:
         seq_len = batch["input_ids"].shape[1]
         bounds, patches, grids, positions = [0], [], [], []
@@ -60,11 +63,10 @@ def test_batches_hold_the_samples_tokens_labels_and_images(pool: list, make_stag
     assert any(b["image_grid"].shape[0] >= 2 for b in batches)
 
 
-def test_the_pack_commands_own_output_loads(packed_small: Path, direct_samples: Any) -> None:
+def test_the_pack_commands_own_output_loads(packed_small: Path) -> None:
     stage = packed_small / "8k"
     loader = build_loader(stage / MANIFEST_NAME, 0, 1, 0, 0, 1)
     batch = next(iter(loader))
-    oracle = {s.meta.key: s for s in direct_samples(next(stage.glob("*.tar")))}
-    key = batch["sample_keys"][0]
-    assert torch.equal(batch["input_ids"][0], torch.from_numpy(oracle[key].tokens.astype(np.int64)))
-    assert loader.seq_len == 8192 and loader.batches_per_epoch == sum(1 for _ in stage.glob("*.tar")) * len(oracle)
+    shown = find_sample(resolve_target(stage), batch["sample_keys"][0])
+    assert torch.equal(batch["input_ids"][0], torch.from_numpy(shown.tokens.astype(np.int64)))
+    assert loader.seq_len == 8192 and loader.batches_per_epoch == loader.source.manifest.total_samples
