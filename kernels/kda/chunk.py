@@ -52,32 +52,47 @@ class ChunkKDAFunction(torch.autograd.Function):
         Aqk, Ainv, w, u = chunk_kda_fwd_intra(q, k, v, g, beta, gate, chunks, prec)
         o, ht, h = chunk_kda_fwd_h(q, k, g, gate, w, u, chunks, Aqk, scale, h0, output_final_state,
                                    any(ctx.needs_input_grad), cu_seqlens, chunk_offsets, prec[0])
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, h, cu_seqlens, chunk_offsets,
-                              chunks)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunks)
+        # Intermediates live on ctx (not saved tensors) so the backward can drop each one as soon as it is read.
+        ctx.intermediates = dict(Aqk=Aqk, Ainv=Ainv, w=w, vn=u, h=h)
         ctx.meta = (B, T, g_min, scale, h0 is not None, initial_state.dtype if h0 is not None else None)
         return o.view(B, T, H, V), ht
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, dht: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, vn, h, cu_seqlens, chunk_offsets, chunks = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunks = ctx.saved_tensors
+        saved = ctx.intermediates
+        del ctx.intermediates
         B, T, g_min, scale, has_h0, h0_dtype = ctx.meta
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
         do = do.reshape(1, B * T, H, V).contiguous()
         dht = dht.float().contiguous() if dht is not None else None
         dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(
-            q, k, v, g, beta, (A_log, dt_bias, g_min), Aqk, Ainv, w, vn, h, do, dht, scale, has_h0,
+            q, k, v, g, beta, (A_log, dt_bias, g_min), saved, do, dht, scale, has_h0,
             cu_seqlens, chunk_offsets, chunks, _precisions(q.dtype)[0])
         dA_log = d_dt_bias = None
         if A_log is not None:
-            dz = dg.float()
-            x = g.float() if dt_bias is None else g.float() + dt_bias.float().view(H, K)
-            dA_log = (dz * x).sum((0, 1, 3)).to(A_log.dtype)
-            if dt_bias is not None:
-                d_dt_bias = dz.sum((0, 1)).reshape(-1).to(dt_bias.dtype)
+            dA_log, d_dt_bias = _gate_param_grads(dg, g, dt_bias)
+            dA_log = dA_log.to(A_log.dtype)
+            d_dt_bias = d_dt_bias.to(dt_bias.dtype) if dt_bias is not None else None
         shape = (B, T, H)
         return (dq.view(*shape, K), dk.view(*shape, K), dv.view(*shape, V), dg.view(*shape, K),
                 dbeta.view(shape).to(beta.dtype), dA_log, d_dt_bias, None, None,
                 dh0.to(h0_dtype) if has_h0 else None, None, None)
+
+
+def _gate_param_grads(dz: torch.Tensor, z: torch.Tensor, dt_bias: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dA_log [H] = sum dz (z + dt_bias) and d dt_bias [H*K] = sum dz, in float32 slices of 64K tokens."""
+    _, T, H, K = z.shape
+    dA, db = z.new_zeros(H, dtype=torch.float32), z.new_zeros(H, K, dtype=torch.float32)
+    for i in range(0, T, 1 << 16):
+        ds, x = dz[0, i:i + (1 << 16)].float(), z[0, i:i + (1 << 16)].float()
+        if dt_bias is not None:
+            x = x + dt_bias.float().view(H, K)
+        dA += (ds * x).sum((0, 2))
+        db += ds.sum(0)
+    return dA, db.reshape(-1)
 
 
 class L2Norm(torch.autograd.Function):
