@@ -63,21 +63,25 @@ class BlockAttnRes(nn.Module):
         self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
 
     def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.rsqrt(x.float().pow(2).mean(-1) + self.eps)
+        """1/rms float32 ``[T]`` without a float32 copy of ``x`` (the mean accumulates in float32)."""
+        return torch.rsqrt((x * x).mean(-1, dtype=torch.float32) + self.eps)
 
     def _mix(self, state: ResidualState, query: torch.Tensor) -> torch.Tensor:
-        """``Σ_i softmax_i(w·RMSNorm(src_i)) src_i`` over the finished blocks and the open one, in float32."""
+        """``Σ_i softmax_i(w·RMSNorm(src_i)) src_i`` over the finished blocks and the open one.
+
+        The sum accumulates in float32, yet autograd keeps only the sources themselves (alive anyway) and the
+        weights ``[T, n_src]``: at 1M tokens a float32 copy of every source would cost 4 GiB each, per sublayer."""
         sources = list(state.blocks)
         inv_rms = list(state.inv_rms)
         if state.partial is not None:
             sources.append(state.partial)
             inv_rms.append(self._inv_rms(state.partial))
-        w = query.float()
-        logits = torch.stack([(src.float() @ w) * r for src, r in zip(sources, inv_rms)], dim=-1)  # [T, n_src]
+        w = query.to(sources[0].dtype)
+        logits = torch.stack([(src @ w).float() * r for src, r in zip(sources, inv_rms)], dim=-1)  # [T, n_src]
         alpha = torch.softmax(logits, dim=-1)
-        mixed = alpha[:, :1] * sources[0].float()
-        for i in range(1, len(sources)):
-            mixed = mixed + alpha[:, i:i + 1] * sources[i].float()
+        mixed = torch.zeros(sources[0].shape, dtype=torch.float32, device=sources[0].device)
+        for i, src in enumerate(sources):
+            mixed = torch.addcmul(mixed, alpha[:, i:i + 1], src)
         return mixed.to(sources[0].dtype)
 
     def begin(self, embedding: torch.Tensor) -> ResidualState:

@@ -63,6 +63,9 @@ class MoEConfig:
     d_dense: int = 2816
     gate_scale: float = 1.0
     bias_ema: float = 0.0
+    # "exact" keeps every token's routing residuals [T, E] fp32 until the step (0.5 GiB per layer at 1M tokens);
+    # "histogram" keeps ~1000 bins per expert. "auto" is exact on one rank, histogram across ranks.
+    balance_method: str = "auto"
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -76,6 +79,8 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name}: must be a non-negative int, got {value!r}")
         if not self.gate_scale > 0:
             raise ValueError(f"MoEConfig.gate_scale: must be > 0, got {self.gate_scale}")
+        if self.balance_method not in ("auto", "exact", "histogram"):
+            raise ValueError(f"MoEConfig.balance_method: must be auto, exact or histogram, got {self.balance_method!r}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -183,7 +188,7 @@ def small() -> ModelConfig:
         n_layers=20,
         kda=KDAConfig(n_heads=8, head_dim=128),
         mla=MLAConfig(n_heads=8, head_dim=128, kv_rank=512),
-        moe=MoEConfig(n_experts=128, top_k=4, d_expert=224, n_shared=1, d_dense=2816),
+        moe=MoEConfig(n_experts=128, top_k=4, d_expert=224, n_shared=1, d_dense=2816, balance_method="histogram"),
         attn_res=AttnResConfig(enabled=True, n_blocks=8),
         vision=VisionEncoderConfig(d_model=512, n_layers=12, n_heads=8, checkpoint_layers=True),
         ce_chunk_tokens=8192,

@@ -43,7 +43,7 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = nn.RMSNorm(d, eps=config.norm_eps)
         self.ffn: nn.Module = (
             MoELayer(d, moe.d_expert, moe.n_experts, moe.top_k, n_shared=moe.n_shared, gate_scale=moe.gate_scale,
-                     bias_ema=moe.bias_ema, backend=moe.backend)
+                     bias_ema=moe.bias_ema, balance_method=moe.balance_method, backend=moe.backend)
             if config.is_moe_layer(index) else DenseFFN(d, moe.d_dense)
         )
 
