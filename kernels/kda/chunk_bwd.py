@@ -161,7 +161,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """dq, dk [1, T, H, K]; dv [1, T, H, V]; dg (or dz) [1, T, H, K]; dbeta [1, T, H] fp32; dh0 [N, H, K, V] or None.
 
     saved holds the forward's Aqk, Ainv, w, vn (v_new) and h; it is emptied as they stop being needed (the caller
-    keeps no other reference), so A_qk and w are freed before the gradients are allocated.
+    keeps no other reference), so A_qk and w are freed or reused before the gradients are allocated.
     """
     Aqk, w, h, vn = saved.pop("Aqk"), saved.pop("w"), saved.pop("h"), saved.pop("vn")
     _, T, H, K = q.shape
@@ -177,9 +177,11 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
         H=H, K=K, V=V, BT=64, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec,
     )
+    # qg, kd and w are dead now: their memory takes dq, dk and (when dtypes match) dg.
+    dq, dk, dv = qg, kd, torch.empty_like(v)
+    dg = w if w.dtype == g.dtype else torch.empty_like(g)
     del qg, kd, gam, Aqk, w
     Ainv = saved.pop("Ainv")
-    dq, dk, dv, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
     dbeta = q.new_zeros(K // 32, T, H, dtype=torch.float32)   # one partial sum per K block (at most K / 32)
     chunk_kda_bwd_kernel[lambda meta: (chunks.shape[0], H, K // meta["BK"])](
         q, k, v, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dq, dk, dv, dg, dbeta, chunks, scale,
