@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from trainer.model.attn_res import BlockAttnRes, StandardResiduals
 from trainer.model.config import KDAConfig, MLAConfig
-from trainer.model.kda import KDALayer
+from trainer.model.kda import KDALayer, ShortConv
 from trainer.model.mla import MLALayer
 from trainer.model.sequence import packed_sequence
 
@@ -60,6 +60,17 @@ def test_kda_layer_is_the_design_recurrence_with_state_reset_per_document() -> N
             torch.testing.assert_close(packed[start:start + n], _kda_reference(layer, x[start:start + n]),
                                        rtol=1e-4, atol=1e-5)
             start += n
+
+
+def test_short_conv_isolation_is_exact_in_bf16() -> None:
+    """The tokens at a document start are recomputed, not corrected: no rounding residue of the previous document."""
+    conv = ShortConv(16, 4).to(torch.bfloat16)
+    x = torch.randn(20, 16, dtype=torch.bfloat16)
+    other = x.clone()
+    other[:7] = 100 * torch.randn(7, 16, dtype=torch.bfloat16)
+    positions = _seq([7, 13], with_mask=False).positions
+    with torch.no_grad():
+        assert torch.equal(conv(x, positions)[7:], conv(other, positions)[7:])
 
 
 def test_kda_decay_starts_bounded_and_slow() -> None:

@@ -28,8 +28,10 @@ _DECAY_INIT = (1e-3, 0.5)
 class ShortConv(nn.Module):
     """Causal depthwise convolution + SiLU that never reaches into the previous document.
 
-    ``weight[:, j]`` multiplies ``x_{t-j}``; the tap is dropped where ``t - j`` lies before the document start, so a
-    document's first tokens see zeros, exactly as if it were alone.
+    ``weight[:, j]`` multiplies ``x_{t-j}``. One depthwise ``conv1d`` runs over the whole packed sequence (autograd
+    keeps only its input); then the outputs of the few tokens whose window starts before their document — the first
+    ``width − 1`` of each — are replaced by their in-document sums, so they see zeros exactly as if the document were
+    alone (replaced, not corrected by subtraction, which would leave rounding residue of the previous document).
     """
 
     def __init__(self, channels: int, width: int) -> None:
@@ -40,11 +42,15 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x ``[T, C]``, positions int64 ``[T]`` (offset inside the document) -> ``[T, C]``."""
-        out = x * self.weight[:, 0]
+        weight = self.weight.to(x.dtype)
+        taps = weight.flip(1).unsqueeze(1)  # conv1d correlates: the last tap meets x_t
+        out = F.conv1d(F.pad(x.t().unsqueeze(0), (self.width - 1, 0)), taps, groups=x.shape[1])[0].t()
+        early = (positions < self.width - 1).nonzero().squeeze(1)
+        inside = x[early] * weight[:, 0]
         for j in range(1, self.width):
-            shifted = F.pad(x[:-j], (0, 0, j, 0))
-            out = out + torch.where((positions >= j)[:, None], shifted, 0) * self.weight[:, j]
-        return F.silu(out)
+            tap = torch.where((positions[early] >= j)[:, None], x[(early - j).clamp(min=0)], 0)
+            inside = inside + tap * weight[:, j]
+        return F.silu(out.index_put((early,), inside))
 
 
 class KDALayer(nn.Module):
