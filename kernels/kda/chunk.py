@@ -194,13 +194,15 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention over chunks of 64 tokens (sub-chunks of 16), forward and backward.
 
-    q, k [B, T, H, K]; v [B, T, H, V] (same float dtype; bf16 runs with fp32 accumulation); beta [B, T, H].
+    q, k [B, T, H, K]; v [B, T, H, V] (same float dtype; bf16 runs with fp32 accumulation; K, V in 32, 64, 128);
+    beta [B, T, H] in (0, 1).
     g [B, T, H, K]: the log-decay (float32 preferred), which must lie in [-5, 0]; or, when A_log [H] is given, the
     raw gate input z, and the kernels compute g = g_min * sigmoid(exp(A_log) * (z + dt_bias)) (dt_bias [H*K]
     optional), so g never exists in memory and its bound holds by construction.
     cu_seqlens [N+1] (int32/int64, B == 1): packed documents, state reset at each boundary.
-    initial_state [N, H, K, V]; scale defaults to 1/sqrt(K); use_qk_l2norm normalises q and k (in PyTorch, before
-    the kernels). Returns o [B, T, H, V] (v's dtype) and the final state [N, H, K, V] float32 if asked, else None.
+    initial_state [N, H, K, V]; scale defaults to 1/sqrt(K).
+    use_qk_l2norm normalises q and k as x / sqrt(|x|^2 + 1e-6) (float32, in PyTorch before the kernels).
+    Returns o [B, T, H, V] (v's dtype) and the final state [N, H, K, V] float32 if asked, else None.
     Triton on CUDA (and on CPU under TRITON_INTERPRET=1), `naive_chunk_kda` elsewhere.
     """
     _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, g_min)
