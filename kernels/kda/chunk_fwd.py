@@ -105,7 +105,8 @@ def chunk_kda_fwd_h_kernel(
 def chunk_kda_fwd_h(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tuple, w: torch.Tensor,
                     u: torch.Tensor, chunks: torch.Tensor, Aqk: torch.Tensor, scale: float,
                     initial_state: torch.Tensor | None, output_final_state: bool, save_h: bool,
-                    cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, prec: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                    cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, prec: str
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """o [1, T, H, V]; final state [N, H, K, V] fp32; h [NT, H, K, V] (state at each chunk start).
 
     Overwrites u with v_new = u - w S (what the backward pass reads).
