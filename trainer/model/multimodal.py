@@ -94,7 +94,7 @@ class LongweaveModel(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def _image_positions(self, flat_ids: torch.Tensor, image_grid: torch.Tensor | None, row_len: int,
-                    sample_keys: Sequence[str] | None) -> torch.Tensor:
+                         sample_keys: Sequence[str] | None) -> torch.Tensor:
         """Flat positions int64 ``[Σ tokens]`` of the image-pad tokens, after checking that the runs of
         ``<|image_pad|>`` match the images one for one (count and size), with an error naming the sample."""
         pad = flat_ids == self.config.image_pad_id
