@@ -16,12 +16,15 @@ def naive_swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) ->
 
 
 def naive_route(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, gate_scale: float
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, gate_scale: float,
+    expert_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Experts and gates per token: top_k of `s + b`, gates = chosen `s` normalised, times gate_scale.
-    x `[T, d]`, weight `[E, d]`, bias `[E]` -> expert_idx int64 `[T, k]`, gates fp32 `[T, k]`."""
+    x `[T, d]`, weight `[E, d]`, bias `[E]` -> expert_idx int64 `[T, k]`, gates fp32 `[T, k]`.
+    A given expert_idx replaces the choice (an fp32 reference of a bf16 run: near-ties flip)."""
     scores = torch.sigmoid((x @ weight.t()).float())
-    expert_idx = torch.topk(scores.detach() + bias, top_k, dim=-1).indices
+    if expert_idx is None:
+        expert_idx = torch.topk(scores.detach() + bias, top_k, dim=-1).indices
     picked = scores.gather(1, expert_idx)
     return expert_idx, gate_scale * picked / picked.sum(-1, keepdim=True)
 
@@ -36,11 +39,12 @@ def naive_moe(
     gate_scale: float = 1.0,
     shared13: torch.Tensor | None = None,
     shared2: torch.Tensor | None = None,
+    expert_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MoE FFN by a loop over experts. x `[T, d]`, router_weight `[E, d]`, bias `[E]`,
-    w13 `[E, d, 2F]`, w2 `[E, F, d]`, optional shared expert shared13 `[d, 2Fs]`, shared2 `[Fs, d]`.
-    Returns `[T, d]`."""
-    expert_idx, gates = naive_route(x, router_weight, bias, top_k, gate_scale)
+    w13 `[E, d, 2F]`, w2 `[E, F, d]`, optional shared expert shared13 `[d, 2Fs]`, shared2 `[Fs, d]`,
+    optional fixed routing expert_idx `[T, k]`. Returns `[T, d]`."""
+    expert_idx, gates = naive_route(x, router_weight, bias, top_k, gate_scale, expert_idx)
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
         token, slot = torch.nonzero(expert_idx == e, as_tuple=True)

@@ -319,8 +319,10 @@ def test_layer_matches_naive_bf16_gpu(backend: str) -> None:
     params = [layer.router, layer.w13, layer.w2, layer.shared13, layer.shared2]
     out = layer(x)
     grads = torch.autograd.grad(out, [x, *params], dout)
+    chosen = route(x, layer.router, layer.balancer.bias, 8).expert_idx  # bf16 logits: fp32 ones flip near-ties
     ref_in = [t.detach().float().requires_grad_() for t in [x, *params]]
-    ref = naive_moe(ref_in[0], ref_in[1], layer.balancer.bias, ref_in[2], ref_in[3], 8, 1.0, ref_in[4], ref_in[5])
+    ref = naive_moe(ref_in[0], ref_in[1], layer.balancer.bias, ref_in[2], ref_in[3], 8, 1.0, ref_in[4], ref_in[5],
+                    expert_idx=chosen)
     ref_grads = torch.autograd.grad(ref, ref_in, dout.float())
     assert rel_err(out, ref) <= 1e-2
     for name, a, b in zip(["x", "router", "w13", "w2", "shared13", "shared2"], grads, ref_grads):
