@@ -143,8 +143,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     for name, d in (("K", K), ("V", V)):
         if d not in (32, 64, 128):
             raise ValueError(f"head dim {name} must be one of 32, 64, 128, got {d}")
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")

@@ -108,6 +108,12 @@ def test_varlen_matches_recurrence(K: int, h0: bool) -> None:
     check_against_recurrence(make_inputs(1, 150, 2, K, K, h0, n_docs=3), 1e-4)
 
 
+def test_empty_documents_keep_their_initial_state() -> None:
+    case = make_inputs(1, 90, 2, 32, 32, True, n_docs=4)
+    case["cu_seqlens"] = torch.tensor([0, 0, 40, 40, 90], dtype=torch.int32, device=DEVICE)
+    check_against_recurrence(case, 1e-4)
+
+
 def test_identical_keys_without_decay_stay_exact() -> None:
     """The hardest UT inverse: one key repeated, beta = 1, g ~ 0, so (I + A_kk) has ones everywhere below the
     diagonal; the Horner-form inverse must still match the recurrence."""
@@ -221,8 +227,8 @@ def _args(**over) -> dict:
     pytest.param(dict(v=torch.randn(1, 8, 2, 48)), r"head dim V must be one of .* got 48", id="V-size"),
     pytest.param(dict(q=torch.randn(1, 8, 2, 16), k=torch.randn(1, 8, 2, 16), g=-torch.rand(1, 8, 2, 16)),
                  r"head dim K must be one of .* got 16", id="K-size"),
-    pytest.param(dict(q=torch.randn(1, 8, 2, 32, dtype=torch.float64)), r"q must be float32.* got torch.float64",
-                 id="q-dtype"),
+    pytest.param(dict(q=torch.randn(1, 8, 2, 32, dtype=torch.float16)), r"q must be float32 or bfloat16, got "
+                 r"torch.float16", id="q-dtype"),
     pytest.param(dict(v=torch.randn(1, 8, 2, 32).bfloat16()), r"v must have q's dtype .* got torch.bfloat16",
                  id="v-dtype"),
     pytest.param(dict(scale=-1.0), r"scale must be positive, got -1.0", id="scale"),
