@@ -13,7 +13,7 @@ from kernels.kda.gate import load_log_decay
 from kernels.kda.tuning import configs, fit_v
 
 # The state pass is a chain of NT dependent steps: narrow V blocks shorten each step and occupy more SMs.
-STATE_PASS_SPACE = [({"BV": 32}, 8), ({"BV": 16}, 8)]
+STATE_PASS_SPACE = [({"BV": 32}, 8), ({"BV": 16}, 8), ({"BV": 16}, 4)]
 
 
 @triton.jit
