@@ -13,7 +13,7 @@ from kernels.kda.gate import load_log_decay
 from kernels.kda.tuning import configs, fit_v
 
 # The state pass is a chain of NT dependent steps: narrow V blocks shorten each step and occupy more SMs.
-STATE_PASS_SPACE = [({"BV": 32}, 8), ({"BV": 16}, 8), ({"BV": 16}, 4)]
+STATE_PASS_SPACE = [({"BV": 32}, 8), ({"BV": 16}, 8), ({"BV": 16}, 4), ({"BV": 32}, 4)]
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def chunk_kda_fwd_h_kernel(
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    NT = tl.cdiv(eos - bos, BT)
+    NT = tl.cdiv((eos - bos).to(tl.int32), BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
