@@ -16,6 +16,12 @@ from .stats import LoadStats
 from .swiglu import swiglu
 
 
+def recomputing() -> bool:
+    """True while autograd's backward runs this forward again (activation checkpointing): the
+    step's tokens were already observed, and counting them twice would double the load."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def moe_experts(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, backend: str) -> torch.Tensor:
     """Routed SwiGLU experts on rows sorted by expert: x_sorted `[N, d]`, w13 `[E, d, 2F]`,
     w2 `[E, F, d]`, offs int32 `[E]` -> `[N, d]`."""
@@ -28,7 +34,8 @@ class MoELayer(nn.Module):
     Parameters: `router` `[E, d]`, `w13` `[E, d, 2F]` (gate | up), `w2` `[E, F, d]`, and for
     `n_shared > 0` one wide shared SwiGLU `shared13` `[d, 2·n_shared·F]`, `shared2` `[n_shared·F, d]`
     (n_shared experts of width F summed equal one of width n_shared·F). The routing bias lives in
-    `balancer.bias` (fp32 buffer). In training each forward is observed; call `step_balance()` once
+    `balancer.bias` (fp32 buffer). In training each forward is observed (not its recomputation under
+    activation checkpointing); call `step_balance()` once
     per optimizer step to update the bias and get that step's `LoadStats`. `last_load` holds the
     tokens per expert `[E]` of the latest forward.
     """
@@ -93,7 +100,7 @@ class MoELayer(nn.Module):
         routing = _route(tokens, self.router, self.balancer.bias, self.top_k, self.gate_scale)
         plan = plan_routing(routing.expert_idx, self.n_experts)
         self.last_load = plan.counts
-        if self.training:
+        if self.training and not recomputing():
             self.balancer.observe(routing.scores, routing.alpha, routing.expert_idx)
         backend = resolve_backend(self.backend, tokens)
         y = moe_experts(permute(tokens, plan, backend), self.w13, self.w2, plan.offs, backend)

@@ -2,17 +2,25 @@
 from __future__ import annotations
 
 import os
+import sys
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = not torch.cuda.is_available()
+if INTERPRET:
+    # Triton picks interpreter or compiler when a kernel is defined: (re)import kernels.moe with it on. The
+    # fixture below keeps it on while this module's tests run; the rest of the suite sees the environment unchanged.
+    with pytest.MonkeyPatch.context() as _mp:
+        _mp.setenv("TRITON_INTERPRET", "1")
+        for _name in [m for m in sys.modules if m == "kernels.moe" or m.startswith("kernels.moe.")]:
+            del sys.modules[_name]
+        import kernels.moe  # noqa: F401
 
-import pytest  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from kernels.moe import (  # noqa: E402
+from kernels.moe import (
     MoELayer,
     QuantileBalancer,
     combine,
@@ -24,9 +32,18 @@ from kernels.moe import (  # noqa: E402
     route,
     swiglu,
 )
-from kernels.moe.grouped_gemm import loop_grouped_mm  # noqa: E402
+from kernels.moe.grouped_gemm import loop_grouped_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    """The backends read TRITON_INTERPRET when they dispatch, so keep it on for this module's tests."""
+    with pytest.MonkeyPatch.context() as mp_env:
+        if INTERPRET:
+            mp_env.setenv("TRITON_INTERPRET", "1")
+        yield
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -266,6 +283,13 @@ def test_bias_is_fp32_buffer_saved_and_frozen_in_eval() -> None:
     fresh = MoELayer(16, 8, 8, 2)
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh.balancer.bias, trained)
+
+
+def test_checkpoint_recompute_is_observed_once() -> None:
+    layer = MoELayer(16, 8, 8, 2, backend="loop")
+    x = torch.randn(32, 16, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert layer.step_balance().tokens_per_expert.sum().item() == 32 * 2
 
 
 @pytest.mark.parametrize(
