@@ -7,7 +7,8 @@ import logging
 import sys
 
 # Modules that each define ``register(subparsers)``; the order is the order of ``longweave --help``.
-COMMAND_MODULES = ("longweave.corpus.command", "pipeline.command", "pipeline.inspect.command", "longweave.demo")
+COMMAND_MODULES = ("longweave.corpus.command", "pipeline.command", "pipeline.inspect.command", "trainer.train",
+                   "trainer.stage_command", "longweave.demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

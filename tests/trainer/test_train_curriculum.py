@@ -1,0 +1,163 @@
+"""Trainer and curriculum on the CPU with the tiny model: exact resume after kill -9, stage plans and transitions."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from longweave.cli import main
+from trainer.config import StageRun, TrainConfig
+from trainer.curriculum import StageError, advance, plan_stage
+from trainer.run_dir import RunDir
+
+STAGES_YAML = (
+    "stages:\n"
+    "  - {name: s512, seq_len: 512, token_budget: 1, buckets: [{min_tokens: 0, max_tokens: null, weight: 1.0}]}\n"
+    "  - {name: s1k, seq_len: 1024, token_budget: 1, buckets: [{min_tokens: 0, max_tokens: null, weight: 1.0}]}\n"
+)
+
+
+def _config_yaml(data: Path, steps_first: int, steps_second: int, **extra: object) -> str:
+    lines = [
+        "model: tiny",
+        f"data: {data}",
+        "tokens_per_step: 1024",
+        "stages:",
+        f"  - {{name: s512, seq_len: 512, micro_batch: 1, token_budget: {1024 * steps_first}}}",
+        f"  - {{name: s1k, seq_len: 1024, micro_batch: 1, token_budget: {1024 * steps_second}}}",
+        "lr: 0.01",
+        "warmup_steps: 1",
+        "num_workers: 1",
+        "checkpoint_every: 2",
+        "keep_checkpoints: 3",
+    ] + [f"{k}: {json.dumps(v)}" for k, v in extra.items()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def short_shards(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small corpus packed at 512 and 1024 tokens, so tiny-model steps stay cheap on two cores."""
+    out = tmp_path_factory.mktemp("short_shards")
+    (out / "stages.yaml").write_text(STAGES_YAML)
+    assert main(["pack", "--input", str(small_corpus / "documents.jsonl"), "--format", "jsonl",
+                 "--output", str(out / "data"), "--image-root", str(small_corpus / "images"),
+                 "--config", str(out / "stages.yaml")]) == 0
+    return out / "data"
+
+
+def _train(run: Path, config: Path | None, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "longweave.cli", "train", "--run", str(run), *extra]
+    if config is not None:
+        args += ["--config", str(config)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the trainer and its loader worker share two cores
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_kill_and_resume_matches_an_uninterrupted_run(short_shards: Path, tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(_config_yaml(short_shards, 3, 2))
+    reference = tmp_path / "reference"
+    proc = _train(reference, config)
+    assert proc.wait(timeout=900) == 0, proc.stderr.read().decode()[-3000:]
+
+    killed = tmp_path / "killed"
+    proc = _train(killed, config)
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+        if (killed / "checkpoints" / "step-00000002" / "trainer_state.json").is_file():
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert RunDir(killed).latest_checkpoint() is not None, "killed before the first checkpoint"
+    resumed = _train(killed, None)
+    assert resumed.wait(timeout=900) == 0, resumed.stderr.read().decode()[-3000:]
+
+    want, got = _metrics(reference), _metrics(killed)
+    assert [m["step"] for m in want] == list(range(1, 6))
+    assert [m["stage"] for m in want] == ["s512"] * 3 + ["s1k"] * 2  # advanced by itself at the spent budget
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    assert [m["sample_keys"] for m in got] == [m["sample_keys"] for m in want]
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], rel=1e-6)
+    assert min(m["loss"] for m in want[1:3]) < want[0]["loss"]  # it learns
+    transitions = [json.loads(line) for line in (reference / "transitions.jsonl").read_text().splitlines()]
+    assert [(t["from"], t["to"], t["step"]) for t in transitions] == [("s512", "s1k", 3)]
+    assert transitions[0]["plan"]["grad_accum"] == 1
+
+
+def test_stage_commands(short_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(_config_yaml(short_shards, 2, 2, auto_advance=False))
+    run = tmp_path / "run"
+    proc = _train(run, config)
+    assert proc.wait(timeout=900) == 0, proc.stderr.read().decode()[-3000:]
+
+    assert main(["stage", "plan", "--run", str(run), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["current"] == "s512" and plan["next"] == "s1k"
+    assert [(p["stage"], p["seq_len"], p["micro_batch"], p["grad_accum"], p["tokens_per_step"]) for p in plan["stages"]] \
+        == [("s512", 512, 1, 2, 1024), ("s1k", 1024, 1, 1, 1024)]
+    assert main(["stage", "status", "--run", str(run), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["stage"], status["step"], status["stage_tokens"], status["stage_budget"]) == ("s512", 2, 2048, 2048)
+
+    # Refusals: a missing manifest, then shards packed with another tokenizer.
+    manifest = short_shards / "s1k" / "manifest.json"
+    saved = manifest.read_text()
+    try:
+        manifest.unlink()
+        with pytest.raises(SystemExit, match="no manifest"):
+            main(["stage", "advance", "--run", str(run)])
+        data = json.loads(saved)
+        data["tokenizer_fingerprint"] = "0" * 64
+        manifest.write_text(json.dumps(data))
+        with pytest.raises(SystemExit, match="tokenizer fingerprint"):
+            main(["stage", "advance", "--run", str(run)])
+    finally:
+        manifest.write_text(saved)
+    assert main(["stage", "advance", "--run", str(run), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert (record["from"], record["to"], record["step"]) == ("s512", "s1k", 2)
+    with pytest.raises(SystemExit, match="last stage"):
+        main(["stage", "advance", "--run", str(run)])
+
+    proc = _train(run, None)  # resume: the new stage starts from its manifest, optimizer and step carried over
+    assert proc.wait(timeout=900) == 0, proc.stderr.read().decode()[-3000:]
+    metrics = _metrics(run)
+    assert [(m["step"], m["stage"], m["seq_len"]) for m in metrics] == [
+        (1, "s512", 512), (2, "s512", 512), (3, "s1k", 1024), (4, "s1k", 1024)]
+
+
+def test_advance_refuses_a_run_without_checkpoint(short_shards: Path, tmp_path: Path) -> None:
+    config = TrainConfig(data=str(short_shards), tokens_per_step=2048,
+                         stages=(StageRun(name="s512", seq_len=512, micro_batch=2, token_budget=4096),
+                                 StageRun(name="s1k", seq_len=1024, token_budget=4096)))
+    run = RunDir(tmp_path / "fresh")
+    run.root.mkdir()
+    run.config_path.write_text(json.dumps(config.to_dict()))
+    with pytest.raises(StageError, match="no complete checkpoint"):
+        advance(run, config, world_size=1)
+    assert plan_stage(config, config.stages[1], world_size=2).grad_accum == 1
+
+
+def test_config_errors_name_the_field(short_shards: Path) -> None:
+    stages = (StageRun(name="a", seq_len=1000, token_budget=3000),)
+    with pytest.raises(ValueError, match=r"stages\[a\]\.token_budget"):
+        TrainConfig(data=str(short_shards), tokens_per_step=2000, stages=stages)
+    config = TrainConfig(data=str(short_shards), tokens_per_step=3000, stages=stages)
+    with pytest.raises(ValueError, match=r"stages\[a\]: tokens_per_step 3000 is not a multiple"):
+        config.grad_accum(stages[0], world_size=2)
+    with pytest.raises(ValueError, match="seq_len"):
+        StageRun(name="b", seq_len=0, token_budget=1)
+    with pytest.raises(ValueError, match="unknown config key"):
+        TrainConfig.from_dict({"data": "x", "tokens_per_step": 1, "stages": [], "colour": 1})

@@ -1,0 +1,140 @@
+"""The run config: model preset, curriculum stages, optimizer and schedule, checkpoints. YAML maps onto it.
+
+Tokens per optimizer step are fixed for the whole run; each stage derives its gradient accumulation from it:
+``tokens_per_step = micro_batch × seq_len × grad_accum × data-parallel size``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StageRun", "TrainConfig", "load_train_config"]
+
+
+def _require(ok: bool, field: str, problem: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {problem}")
+
+
+def _positive(owner: str, obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"{owner}.{name}",
+                 f"must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class StageRun:
+    """One curriculum stage as the trainer runs it. ``name`` is the stage folder under the run's data folder."""
+
+    name: str
+    seq_len: int
+    micro_batch: int = 1
+    token_budget: int  # tokens to train on in this stage (optimizer steps × tokens_per_step)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and bool(self.name), "stages[].name", f"must be a non-empty str, got {self.name!r}")
+        _positive(f"stages[{self.name}]", self, "seq_len", "micro_batch", "token_budget")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    model: str = "tiny"  # preset name in trainer.model.config.PRESETS
+    data: str  # output folder of `longweave pack`: one sub-folder per stage with its manifest
+    stages: tuple[StageRun, ...]
+    tokens_per_step: int
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    decay_fraction: float = 0.2  # WSD: the last fraction of all steps decays linearly to min_lr
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    zero_stage: int = 1
+    bf16: bool = True
+    activation_checkpointing: bool = False
+    seed: int = 0
+    num_workers: int = 2
+    bad_sample_policy: str = "skip"
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    auto_advance: bool = True  # move to the next stage by itself once a stage's budget is spent
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.data, str) and bool(self.data), "data", "must be the pack output folder")
+        if isinstance(self.stages, list):
+            self.stages = tuple(self.stages)
+        _require(len(self.stages) > 0, "stages", "needs at least one stage")
+        names = [s.name for s in self.stages]
+        _require(len(set(names)) == len(names), "stages", f"duplicate stage names {names}")
+        _positive("TrainConfig", self, "tokens_per_step", "checkpoint_every", "keep_checkpoints", "log_every")
+        _require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
+        _require(0.0 <= self.decay_fraction <= 1.0, "decay_fraction", f"must lie in [0, 1], got {self.decay_fraction}")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")
+        _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require(self.zero_stage in (0, 1, 2), "zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")
+        _require(self.bad_sample_policy in ("fail", "skip"), "bad_sample_policy",
+                 f"must be 'fail' or 'skip', got {self.bad_sample_policy!r}")
+        for stage in self.stages:
+            _require(stage.token_budget % self.tokens_per_step == 0, f"stages[{stage.name}].token_budget",
+                     f"{stage.token_budget} is not a whole number of steps of {self.tokens_per_step} tokens")
+
+    def grad_accum(self, stage: StageRun, world_size: int) -> int:
+        """Micro-batches per optimizer step that keep ``tokens_per_step`` constant in this stage."""
+        per_micro = stage.micro_batch * stage.seq_len * world_size
+        _require(self.tokens_per_step % per_micro == 0, f"stages[{stage.name}]",
+                 f"tokens_per_step {self.tokens_per_step} is not a multiple of micro_batch {stage.micro_batch} × "
+                 f"seq_len {stage.seq_len} × world size {world_size}")
+        return self.tokens_per_step // per_micro
+
+    def steps_in(self, stage: StageRun) -> int:
+        return stage.token_budget // self.tokens_per_step
+
+    @property
+    def total_steps(self) -> int:
+        return sum(self.steps_in(s) for s in self.stages)
+
+    def stage(self, name: str) -> StageRun:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise ValueError(f"stage {name!r} is not in this run's curriculum ({', '.join(s.name for s in self.stages)})")
+
+    def stage_index(self, name: str) -> int:
+        return [s.name for s in self.stages].index(self.stage(name).name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        _require(not unknown, unknown[0] if unknown else "", "unknown config key")
+        stages = data.get("stages")
+        _require(isinstance(stages, (list, tuple)) and bool(stages), "stages", "must be a non-empty list")
+        try:
+            parsed = tuple(StageRun(**s) for s in stages)
+        except TypeError as exc:
+            raise ValueError(f"stages: {exc}") from None
+        values = {**data, "stages": parsed}
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    """A YAML file mapping onto :class:`TrainConfig` (``stages`` a list of :class:`StageRun` mappings)."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    _require(isinstance(data, Mapping), str(path), "must hold a mapping")
+    return TrainConfig.from_dict(data)

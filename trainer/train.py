@@ -1,0 +1,288 @@
+"""The training loop: stage loader → model → DeepSpeed engine, with checkpoints, metrics and stage transitions.
+
+``longweave train --run DIR --config CONFIG.yaml`` in one process, or ``deepspeed --num_gpus N -m trainer.train
+--run DIR --config CONFIG.yaml`` for several. A run folder that already holds a config resumes from its newest
+complete checkpoint: model, optimizer, schedule, loader position and curriculum are restored exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.moe import step_moe_balance
+from trainer.config import TrainConfig, load_train_config
+from trainer.curriculum import StageError, advance, check_fingerprints, plan_stage, stage_manifest
+from trainer.data.loader import build_loader
+from trainer.engine import build_engine, deepspeed_config, init_distributed, set_stage_batch
+from trainer.metrics import MetricsWriter, truncate_metrics
+from trainer.model.config import preset
+from trainer.model.flops import mfu, training_flops
+from trainer.model.multimodal import LongweaveModel
+from trainer.run_dir import TRAINER_STATE, RunDir, write_json_atomic
+from trainer.schedule import wsd_factor
+
+__all__ = ["Trainer", "TrainerState", "main", "register"]
+log = logging.getLogger(__name__)
+
+_MODEL_INPUTS = ("input_ids", "labels", "cu_seqlens", "pixel_values", "image_grid")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainerState:
+    """Where the run stands; saved beside every checkpoint as JSON."""
+
+    step: int = 0  # optimizer steps over the whole run
+    stage: str
+    stage_step: int = 0
+    tokens: int = 0
+    stage_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _open_run(run: RunDir, config_path: Path | None) -> TrainConfig:
+    """The run's config: written at the first start; on resume a different --config is refused."""
+    if run.config_path.is_file():
+        config = run.load_config()
+        if config_path is not None and load_train_config(config_path).fingerprint() != config.fingerprint():
+            raise SystemExit(f"--config {config_path}: differs from the config {run.root} was started with; "
+                             "start a new run folder instead")
+        return config
+    if config_path is None:
+        raise SystemExit(f"--run {run.root}: not a run yet; pass --config to start one")
+    config = load_train_config(config_path)
+    run.root.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run.config_path, config.to_dict())
+    return config
+
+
+class Trainer:
+    def __init__(self, run: RunDir, config: TrainConfig) -> None:
+        self.run, self.config = run, config
+        self.rank, self.world_size, _ = init_distributed()
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.bf16 = config.bf16 and torch.cuda.is_available()  # the CPU path trains in fp32
+        first = config.stages[0]
+        if self.rank == 0 and not run.fingerprints_path.is_file():
+            manifest = stage_manifest(config, first)
+            write_json_atomic(run.fingerprints_path, {"tokenizer": manifest.tokenizer_fingerprint,
+                                                      "vision": manifest.vision_fingerprint})
+        self._barrier()
+        torch.manual_seed(config.seed)
+        model_config = dataclasses.replace(preset(config.model), checkpoint_layers=config.activation_checkpointing)
+        self.model_config = model_config
+        model = LongweaveModel(model_config)
+        total_steps = config.total_steps
+        schedule = lambda step: wsd_factor(step, total_steps=total_steps, warmup_steps=config.warmup_steps,  # noqa: E731
+                                           decay_fraction=config.decay_fraction, min_ratio=config.min_lr_ratio)
+        self.state = TrainerState(stage=run.current_stage(config))
+        stage = config.stage(self.state.stage)
+        self.engine = build_engine(model, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
+                                   schedule=schedule, ds_config=deepspeed_config(
+                                       micro_batch=stage.micro_batch, grad_accum=config.grad_accum(stage, self.world_size),
+                                       bf16=self.bf16, zero_stage=config.zero_stage, grad_clip=config.grad_clip))
+        self._keep_balance_fp32()
+        loader_state = self._resume()
+        self._enter_stage(self.state.stage, loader_state)
+        self.metrics = MetricsWriter(run.metrics_path, run.tensorboard, enabled=self.rank == 0)
+
+    def _barrier(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def _keep_balance_fp32(self) -> None:
+        """bf16 casts every floating buffer; the routing bias must stay fp32 (its updates are tiny)."""
+        for name, buffer in self.engine.module.named_buffers():
+            if name.endswith(("balance.bias", "balance.ema_target")) and buffer.dtype != torch.float32:
+                buffer.data = buffer.data.float()
+
+    def _resume(self) -> dict[str, Any] | None:
+        checkpoint = self.run.latest_checkpoint()
+        if checkpoint is None:
+            return None
+        saved = self.run.trainer_state(checkpoint)
+        self.engine.load_checkpoint(str(self.run.checkpoints), tag=checkpoint.name,
+                                    load_optimizer_states=True, load_lr_scheduler_states=True)
+        self._keep_balance_fp32()
+        state = TrainerState(**saved["trainer"])
+        if self.rank == 0:
+            truncate_metrics(self.run.metrics_path, state.step)
+        log.info("resumed %s at step %d (stage %s)", checkpoint, state.step, state.stage)
+        current = self.run.current_stage(self.config)
+        if current != state.stage:  # `longweave stage advance` moved the run: the new stage starts fresh
+            self.state = TrainerState(step=state.step, stage=current, tokens=state.tokens)
+            return None
+        self.state = state
+        return saved["loader"]
+
+    def _enter_stage(self, name: str, loader_state: dict[str, Any] | None) -> None:
+        config, stage = self.config, self.config.stage(name)
+        manifest = stage_manifest(config, stage)
+        check_fingerprints(manifest, self.run.fingerprints(), f"stage {name!r}")
+        self.plan = plan_stage(config, stage, self.world_size)
+        set_stage_batch(self.engine, stage.micro_batch, self.plan.grad_accum, self.world_size)
+        self.loader = build_loader(Path(config.data) / name, rank=self.rank, world_size=self.world_size,
+                                   num_workers=config.num_workers, seed=config.seed, micro_batch=stage.micro_batch,
+                                   policy=config.bad_sample_policy)
+        if loader_state is not None:
+            self.loader.load_state_dict(loader_state)
+        self.batches: Iterator[dict[str, Any]] = iter(self.loader)
+        log.info("stage %s: seq_len %d, micro_batch %d, grad_accum %d, %d steps", name, stage.seq_len,
+                 stage.micro_batch, self.plan.grad_accum, self.plan.steps)
+
+    def save_checkpoint(self) -> Path:
+        tag = f"step-{self.state.step:08d}"
+        self.engine.save_checkpoint(str(self.run.checkpoints), tag=tag)
+        folder = self.run.checkpoints / tag
+        if self.rank == 0:
+            write_json_atomic(folder / TRAINER_STATE, {"trainer": self.state.to_dict(),
+                                                       "loader": self.loader.state_dict(),
+                                                       "config_fingerprint": self.config.fingerprint(),
+                                                       "fingerprints": self.run.fingerprints()})
+            for old in self.run.complete_checkpoints()[:-self.config.keep_checkpoints]:
+                shutil.rmtree(old)
+        self._barrier()
+        return folder
+
+    def _micro_step(self, batch: dict[str, Any]) -> tuple[float, int, list[int], list[tuple[int, int]]]:
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        inputs = {k: batch[k].to(self.device, non_blocking=True) if isinstance(batch[k], torch.Tensor) else batch[k]
+                  for k in _MODEL_INPUTS}
+        if inputs["pixel_values"] is not None:
+            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        out = self.engine(**inputs, sample_keys=batch["sample_keys"])
+        self.engine.backward(out.loss)
+        self.engine.step()
+        lengths = torch.diff(batch["cu_seqlens"]).tolist()
+        grids = [tuple(g) for g in batch["image_grid"].tolist()] if batch["image_grid"] is not None else []
+        return float(out.loss_sum.detach()), out.n_loss_tokens, lengths, grids
+
+    def train_step(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        loss_sum, n_loss, lengths, grids, keys = 0.0, 0, [], [], []
+        for _ in range(self.plan.grad_accum):
+            batch = next(self.batches)
+            keys.extend(batch["sample_keys"])
+            s, n, l, g = self._micro_step(batch)
+            loss_sum, n_loss = loss_sum + s, n_loss + n
+            lengths += l
+            grids += g
+        totals = torch.tensor([loss_sum, float(n_loss)], dtype=torch.float64)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(totals)
+        stats = [s.as_dict() for s in step_moe_balance(self.engine.module)]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        self.state.step += 1
+        self.state.stage_step += 1
+        self.state.tokens += self.config.tokens_per_step
+        self.state.stage_tokens += self.config.tokens_per_step
+        flops = training_flops(self.model_config, lengths, grids, n_loss).total * self.world_size
+        record = {
+            "step": self.state.step,
+            "stage": self.state.stage,
+            "seq_len": self.plan.seq_len,
+            "loss": float(totals[0] / max(totals[1], 1)),
+            "lr": self.engine.lr_scheduler.get_last_lr()[0],
+            "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+            "tokens": self.state.tokens,
+            "tokens_per_s": self.config.tokens_per_step / seconds,
+            "mfu": mfu(flops, seconds, self.world_size) if self.device.type == "cuda" else None,
+            "expert_max_over_mean": max((s["max_over_mean"] for s in stats), default=None),
+            "expert_cv": sum(s["cv"] for s in stats) / len(stats) if stats else None,
+            "step_seconds": seconds,
+            "skipped_samples": self.loader.skipped,
+            "sample_keys": keys,
+        }
+        if self.device.type == "cuda":
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return record
+
+    def train(self, max_steps: int | None = None) -> TrainerState:
+        """Train until the curriculum is done, or for ``max_steps`` more optimizer steps."""
+        from rich.progress import Progress
+
+        done_here = 0
+        with Progress(disable=self.rank != 0, transient=True) as progress:
+            task = progress.add_task("training", total=self.config.total_steps, completed=self.state.step)
+            while max_steps is None or done_here < max_steps:
+                if self.state.stage_step >= self.plan.steps:
+                    if not self._advance_by_itself():
+                        break
+                    continue
+                record = self.train_step()
+                done_here += 1
+                if self.state.step % self.config.log_every == 0:
+                    self.metrics.write(record)
+                progress.update(task, completed=self.state.step,
+                                description=f"{self.state.stage} loss {record['loss']:.3f}")
+                if self.state.step % self.config.checkpoint_every == 0:
+                    self.save_checkpoint()
+        if self.run.latest_checkpoint() is None or self.run.trainer_state(self.run.latest_checkpoint())["trainer"][
+                "step"] != self.state.step:
+            self.save_checkpoint()
+        self.metrics.close()
+        return self.state
+
+    def _advance_by_itself(self) -> bool:
+        """At a spent stage budget: with ``auto_advance``, checkpoint and move to the next stage."""
+        index = self.config.stage_index(self.state.stage)
+        if not self.config.auto_advance or index + 1 >= len(self.config.stages):
+            return False
+        self.save_checkpoint()
+        if self.rank == 0:
+            advance(self.run, self.config, self.world_size)
+        self._barrier()
+        self.state = TrainerState(step=self.state.step, stage=self.run.current_stage(self.config), tokens=self.state.tokens)
+        self._enter_stage(self.state.stage, None)
+        return True
+
+
+def _run(args: argparse.Namespace, _extra: list[str] | None = None) -> int:
+    run = RunDir(args.run)
+    config = _open_run(run, args.config)
+    try:
+        trainer = Trainer(run, config)
+        state = trainer.train(args.max_steps)
+    except StageError as exc:
+        raise SystemExit(str(exc)) from None
+    if trainer.rank == 0:
+        print(json.dumps({"run": str(run.root), **state.to_dict()}))
+    return 0
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", type=Path, required=True, help="run folder (created, or resumed from)")
+    parser.add_argument("--config", type=Path, default=None, help="YAML TrainConfig (needed to start a run)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train on packed shards with DeepSpeed (resumes a run folder)")
+    add_train_arguments(parser)
+    parser.set_defaults(handler=_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point under the ``deepspeed`` launcher (``-m trainer.train``), which adds ``--local_rank``."""
+    parser = argparse.ArgumentParser(prog="trainer.train", description=__doc__.splitlines()[0])
+    add_train_arguments(parser)
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return _run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
