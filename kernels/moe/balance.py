@@ -121,11 +121,15 @@ class QuantileBalancer(nn.Module):
             self._buffers[name] = value.to(device=self._buffers[name].device, dtype=torch.float32)
         return self
 
+    def world_size(self) -> int:
+        """Ranks of the process group (1 without torch.distributed)."""
+        return dist.get_world_size(self.process_group) if dist.is_available() and dist.is_initialized() else 1
+
     def uses_histogram(self) -> bool:
         """Histogram when asked, or (auto) when the process group has more than one rank."""
         if self.method != "auto":
             return self.method == "histogram"
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+        return self.world_size() > 1
 
     @torch.no_grad()
     def observe(self, scores: torch.Tensor, alpha: torch.Tensor, expert_idx: torch.Tensor) -> None:
@@ -148,7 +152,10 @@ class QuantileBalancer(nn.Module):
             return None
         load, hist, residuals = self._load, self._hist, self._residuals
         self._load, self._hist, self._residuals = None, None, []
-        if self.uses_histogram() and dist.is_available() and dist.is_initialized():
+        world = self.world_size()
+        if world > 1:
+            if self.enabled and hist is None:
+                raise RuntimeError(f"method='exact' needs one process (ranks would disagree on b), got {world} ranks")
             packed = torch.cat([load.unsqueeze(1), hist], 1) if hist is not None else load.unsqueeze(1)
             dist.all_reduce(packed, group=self.process_group)
             load, hist = packed[:, 0], (packed[:, 1:] if hist is not None else None)
