@@ -149,6 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, nargs="+", default=[64, 256])
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.manual_seed(0)
     log.warning("torch %s, triton %s, %s", torch.__version__, triton.__version__, torch.cuda.get_device_name())
