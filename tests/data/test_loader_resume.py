@@ -87,3 +87,22 @@ def test_a_new_iterator_retires_the_old_one(stage: Path) -> None:
     assert next(new)["sample_keys"] != first["sample_keys"]  # continues from the position, not from the start
     with pytest.raises(RuntimeError, match="replaced"):
         next(old)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"rank": 2}, "LoaderConfig.rank"), ({"policy": "ignore"}, "LoaderConfig.policy"),
+    ({"num_workers": -1}, "LoaderConfig.num_workers"), ({"timeout_s": -1.0}, "LoaderConfig.timeout_s"),
+    ({"micro_batch": 100}, "cannot fill one step"),
+])
+def test_bad_loader_configs_name_the_field(stage: Path, kwargs: dict, match: str) -> None:
+    args = {"rank": 0, "world_size": WORLD, "num_workers": 0, "seed": SEED, "micro_batch": BATCH, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        build_loader(stage, **args)
+
+
+def test_a_manifest_from_another_tokenizer_is_refused(stage: Path) -> None:
+    manifest = json.loads(stage.read_text())
+    manifest["tokenizer_fingerprint"] = "0" * 64
+    stage.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="tokenizer_path.*fingerprint mismatch"):
+        build_loader(stage, 0, WORLD, 0, SEED, BATCH)

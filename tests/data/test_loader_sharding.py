@@ -64,7 +64,7 @@ def test_positions_count_samples_so_another_world_size_resumes_the_same_epoch() 
 
 def test_substitutes_take_the_same_row_of_later_steps_wrapping_around() -> None:
     p = plan((10,))  # step = 4 samples
-    assert list(p.substitutes(7))[:3] == [1, 5, 9]
+    assert list(itertools.islice(p.substitutes(7), 4)) == [1, 5, 9, 3]
 
 
 def test_advance_wraps_to_the_next_epoch_before_a_partial_step() -> None:

@@ -1,16 +1,20 @@
 """Benchmark: the streaming loader against plain ``webdataset.WebDataset`` doing the same decoding over the same
 shards, in the same run.
 
-    python -m trainer.data.bench PACK_OUTPUT [--stages 8k,64k,256k,1m] [--workers 2] [--micro-batch 1] [--repeat 3]
+    python -m trainer.data.bench PACK_OUTPUT [--stages 8k,64k,256k,1m] [--workers 2] [--micro-batch 1]
+                                 [--repeat 3] [--min-samples 16]
 
-Per stage and round, each side reads one full epoch through a torch DataLoader with the same number of workers,
-timed wall clock from ``iter()`` (worker start-up included) to the arrival of the last sample. Both decode every sample with
+Per stage and round, each side reads the same number of full epochs (enough for ``--min-samples``: the small 256K and
+1M stages hold a handful of samples, and one epoch of them measures start-up and worker split luck, not throughput)
+through a torch DataLoader with the same number of workers, timed wall clock from ``iter()`` (worker start-up
+included) to the arrival of the last sample. Both decode every sample with
 :func:`trainer.data.decode.decode_sample` (``.npy`` tokens, ``meta.json``, JPEG → patches); the loader does the
 extra work — seeded rank split, random access by tar offset, resumable position, collation into the batch dict
 (labels, flattened ``cu_seqlens``, packed ``pixel_values``). webdataset splits shards over workers, so with as many
 workers as shards its time follows the largest shard, while the loader splits samples; ``--workers 0`` compares the
-per-sample work alone. The shards are read once first so both sides find them in the page cache; sides alternate,
-and the median round is reported. Tokens are ``samples × seq_len`` (padding included: what the trainer consumes).
+per-sample work alone. The shards are read once first so both sides find them in the page cache; sides alternate
+(which one goes first swaps every round), and the median round is reported. Tokens are ``samples × seq_len``
+(padding included: what the trainer consumes).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader
 
+from pipeline.inspect.bench import _warm as warm_page_cache  # the one copy of this helper
 from schemas.manifest import MANIFEST_NAME
 from tokenization.tokenizer import SpecialIds, load_tokenizer
 from trainer.data.decode import DecodedSample, decode_sample
@@ -36,13 +41,6 @@ from trainer.data.loader import build_loader
 from trainer.data.manifest_source import ManifestSource
 
 log = logging.getLogger(__name__)
-
-
-def _warm(paths: list[str]) -> None:
-    for path in paths:
-        with open(path, "rb") as handle:
-            while handle.read(1 << 24):
-                pass
 
 
 def _decode_raw(raw: dict[str, Any], *, seq_len: int, special: SpecialIds) -> DecodedSample:
@@ -62,17 +60,17 @@ def _until_last(items: Iterable[int]) -> tuple[float, int]:
     return last - started, total
 
 
-def webdataset_epoch(source: ManifestSource, workers: int, special: SpecialIds) -> tuple[float, int]:
-    """Plain webdataset (no shard shuffle, its default per-worker shard split) with the same decode: seconds, samples."""
+def webdataset_epochs(source: ManifestSource, epochs: int, workers: int, special: SpecialIds) -> tuple[float, int]:
+    """Plain webdataset (no shard shuffle, its default shard split over workers), same decode: seconds, samples."""
     dataset = wds.WebDataset([s.path for s in source.shards], shardshuffle=False, empty_check=False)
-    dataset = dataset.map(functools.partial(_decode_raw, seq_len=source.seq_len, special=special))
+    dataset = dataset.map(functools.partial(_decode_raw, seq_len=source.seq_len, special=special)).repeat(epochs)
     return _until_last(1 for _ in DataLoader(dataset, batch_size=None, num_workers=workers))
 
 
-def loader_epoch(manifest: Path, workers: int, micro_batch: int) -> tuple[float, int]:
-    """One rank's loader over one epoch (world size 1: every sample but the remainder): seconds, samples."""
+def loader_epochs(manifest: Path, epochs: int, workers: int, micro_batch: int) -> tuple[float, int]:
+    """One rank's loader over ``epochs`` epochs (world size 1: every sample but the remainder): seconds, samples."""
     loader = build_loader(manifest, 0, 1, workers, 0, micro_batch)
-    batches = itertools.islice(iter(loader), loader.batches_per_epoch)
+    batches = itertools.islice(iter(loader), epochs * loader.batches_per_epoch)
     return _until_last(b["input_ids"].shape[0] for b in batches)
 
 
@@ -83,28 +81,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers on both sides")
     parser.add_argument("--micro-batch", type=int, default=1, help="loader micro-batch (samples per batch)")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds of each side per stage (median reported)")
+    parser.add_argument("--min-samples", type=int, default=16, help="read whole epochs until at least this many")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     special = load_tokenizer().special
     table = Table(title=f"streaming loader vs plain webdataset: {args.workers} workers, micro-batch "
                         f"{args.micro_batch}, median of {args.repeat}")
-    for column in ("stage", "side", "samples", "median s", "samples/s", "tokens/s", "loader / wds", "raw s"):
+    for column in ("stage", "epochs", "side", "samples", "median s", "samples/s", "tokens/s", "loader / wds", "raw s"):
         table.add_column(column, justify="right")
     for stage in args.stages.split(","):
         manifest = args.path / stage / MANIFEST_NAME
         source = ManifestSource(manifest)
-        _warm([s.path for s in source.shards])
+        warm_page_cache([Path(s.path) for s in source.shards])
+        epochs = -(-args.min_samples // source.total_samples)
+        readers = {"webdataset": lambda: webdataset_epochs(source, epochs, args.workers, special),
+                "loader": lambda: loader_epochs(manifest, epochs, args.workers, args.micro_batch)}
         sides: dict[str, list[tuple[float, int]]] = {"webdataset": [], "loader": []}
         for round_ in range(args.repeat):
-            sides["webdataset"].append(webdataset_epoch(source, args.workers, special))
-            sides["loader"].append(loader_epoch(manifest, args.workers, args.micro_batch))
+            for name in (("webdataset", "loader") if round_ % 2 == 0 else ("loader", "webdataset")):
+                sides[name].append(readers[name]())
             log.info("%s round %d: webdataset %.2f s, loader %.2f s", stage, round_ + 1, sides["webdataset"][-1][0],
                      sides["loader"][-1][0])
         rates = {name: statistics.median(n / s for s, n in runs) for name, runs in sides.items()}
         for name, runs in sides.items():
             seconds, samples = statistics.median(s for s, _ in runs), runs[0][1]
             ratio = f"{rates['loader'] / rates['webdataset']:.2f}" if name == "loader" else ""
-            table.add_row(stage, name, f"{samples}", f"{seconds:.2f}", f"{rates[name]:.2f}",
+            table.add_row(stage, f"{epochs}", name, f"{samples}", f"{seconds:.2f}", f"{rates[name]:.2f}",
                           f"{rates[name] * source.seq_len:,.0f}", ratio, " ".join(f"{s:.2f}" for s, _ in runs))
     Console(width=200).print(table)
 

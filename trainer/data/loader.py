@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("fail", "skip")
 _STATE_VERSION = 1
-# (shard, key, problem) of each sample a batch skipped; reported to the main process beside the batch.
-Skipped = list[tuple[str, str, str]]
+# The error message (naming shard and key) of each sample a batch skipped, sent to the main process beside the batch.
+Skipped = list[str]
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
@@ -58,8 +58,10 @@ def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class LoaderConfig:
     """One rank's loader. ``timeout_s`` bounds the wait for one batch from the workers (0 = forever), so a worker
-    stuck on a dead filesystem fails the job instead of hanging every rank. ``tokenizer_path`` (default: the shipped
-    tokenizer) must be the one the shards were packed with; its fingerprint is checked against the manifest."""
+    stuck on a dead filesystem fails the job instead of hanging every rank. Up to ``num_workers × prefetch_factor``
+    batches are in flight (in shared memory): at 1M tokens one batch's patches can reach about 1 GB. ``tokenizer_path``
+    (default: the shipped tokenizer) must be the one the shards were packed with; its fingerprint is checked against
+    the manifest."""
 
     manifest_path: str
     rank: int = 0
@@ -98,12 +100,13 @@ class _BatchStream(IterableDataset):
         self.config = config
         self.special = special
         self.start = start
+        self._consecutive = 0  # bad samples in a row in this worker's stream
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], Skipped]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         reader = ShardReader(self.source.shards)
-        consecutive = [0]  # bad samples in a row in this worker's stream
+        self._consecutive = 0
         epoch, order = -1, np.zeros(0, dtype=np.int64)
         for k, position in enumerate(self.plan.positions(self.start)):
             if k % workers != worker:
@@ -111,12 +114,11 @@ class _BatchStream(IterableDataset):
             if position.epoch != epoch:
                 epoch, order = position.epoch, self.plan.order(position.epoch)
             skipped: Skipped = []
-            rows = [self._row(reader, order, slot, skipped, consecutive)
+            rows = [self._row(reader, order, slot, skipped)
                     for slot in self.plan.rank_slots(position, self.config.rank)]
             yield collate(rows, self.special), skipped
 
-    def _row(self, reader: ShardReader, order: np.ndarray, slot: int, skipped: Skipped,
-             consecutive: list[int]) -> DecodedSample:
+    def _row(self, reader: ShardReader, order: np.ndarray, slot: int, skipped: Skipped) -> DecodedSample:
         """The sample at epoch-order index ``slot``, or under ``skip`` its first decodable substitute."""
         candidates = iter(self.plan.substitutes(slot))
         while True:
@@ -128,14 +130,14 @@ class _BatchStream(IterableDataset):
             except SampleError as exc:
                 if self.config.policy == "fail":
                     raise
-                consecutive[0] += 1
-                if consecutive[0] > self.config.max_consecutive_failures:
-                    raise LoaderFatalError(f"{consecutive[0]} bad samples in a row (max_consecutive_failures "
+                self._consecutive += 1
+                if self._consecutive > self.config.max_consecutive_failures:
+                    raise LoaderFatalError(f"{self._consecutive} bad samples in a row (max_consecutive_failures "
                                            f"{self.config.max_consecutive_failures}); last: {exc}") from exc
-                skipped.append((self.source.shards[shard].name, reader.span(shard, index).key, str(exc)))
+                skipped.append(str(exc))
                 slot = next(candidates)
                 continue
-            consecutive[0] = 0
+            self._consecutive = 0
             return sample
 
 
@@ -187,8 +189,8 @@ class StreamingLoader:
             for batch, skipped in batches:
                 if generation != self._generation:
                     raise RuntimeError("StreamingLoader: this iterator was replaced by a newer iter(loader)")
-                for shard, key, problem in skipped:
-                    log.warning("skipped bad sample (shard %r, key %r): %s", shard, key, problem)
+                for message in skipped:
+                    log.warning("skip policy: %s (a substitute fills its row)", message)
                 self.skipped += len(skipped)
                 self.position = self.plan.advance(self.position)
                 yield batch

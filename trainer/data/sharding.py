@@ -17,6 +17,7 @@ Because a position counts samples, not batches, a run saved at step ``s`` can al
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -110,5 +111,5 @@ class SamplePlan:
 
         A substitute is thus a sample this epoch reads elsewhere (or drops), so a skip repeats one sample instead of
         shortening the batch or giving one rank fewer batches than the others."""
-        for k in range(1, self.total):
+        for k in itertools.count(1):  # endless: the consecutive-failure bound of the caller ends a bad run
             yield (slot + k * self.step_samples) % self.total
