@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import logging
 import statistics
 import time
@@ -49,9 +48,7 @@ def _decode_raw(raw: dict[str, Any], *, seq_len: int, special: SpecialIds) -> De
 
 
 def _until_last(items: Iterable[int]) -> tuple[float, int]:
-    """Seconds from now until the last item arrives, and the sum of the items. Worker shutdown after the last item
-    is left out on both sides: the loader's workers are by then building the next epoch's batches (its stream is
-    endless), and stopping them waits for the batch in hand, which says nothing about delivery speed."""
+    """Seconds from now until the last item arrives, and the sum of the items (worker shutdown left out)."""
     started = time.perf_counter()
     total, last = 0, started
     for item in items:
@@ -70,8 +67,7 @@ def webdataset_epochs(source: ManifestSource, epochs: int, workers: int, special
 def loader_epochs(manifest: Path, epochs: int, workers: int, micro_batch: int) -> tuple[float, int]:
     """One rank's loader over ``epochs`` epochs (world size 1: every sample but the remainder): seconds, samples."""
     loader = build_loader(manifest, 0, 1, workers, 0, micro_batch)
-    batches = itertools.islice(iter(loader), epochs * loader.batches_per_epoch)
-    return _until_last(b["input_ids"].shape[0] for b in batches)
+    return _until_last(b["input_ids"].shape[0] for b in loader.batches(epochs * loader.batches_per_epoch))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,7 @@ saved on one manifest refuses to load into a loader on another (the manifest's s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,12 +95,13 @@ class _BatchStream(IterableDataset):
     ``(batch dict, skipped)``. Each worker gets its own copy (and its own :class:`ShardReader`) after the fork."""
 
     def __init__(self, *, source: ManifestSource, plan: SamplePlan, config: LoaderConfig, special: SpecialIds,
-                 start: Position) -> None:
+                 start: Position, count: int | None) -> None:
         self.source = source
         self.plan = plan
         self.config = config
         self.special = special
         self.start = start
+        self.count = count  # batches in the whole stream (all workers); None = endless
         self._consecutive = 0  # bad samples in a row in this worker's stream
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], Skipped]]:
@@ -108,7 +110,7 @@ class _BatchStream(IterableDataset):
         reader = ShardReader(self.source.shards)
         self._consecutive = 0
         epoch, order = -1, np.zeros(0, dtype=np.int64)
-        for k, position in enumerate(self.plan.positions(self.start)):
+        for k, position in enumerate(itertools.islice(self.plan.positions(self.start), self.count)):
             if k % workers != worker:
                 continue
             if position.epoch != epoch:
@@ -173,18 +175,25 @@ class StreamingLoader:
     def seq_len(self) -> int:
         return self.source.seq_len
 
-    def _data_loader(self) -> DataLoader:
+    def _data_loader(self, count: int | None) -> DataLoader:
         workers = self.config.num_workers
         stream = _BatchStream(source=self.source, plan=self.plan, config=self.config, special=self.special,
-                              start=self.position)
+                              start=self.position, count=count)
         return DataLoader(stream, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(),
                           prefetch_factor=self.config.prefetch_factor if workers else None,
                           timeout=self.config.timeout_s if workers else 0, in_order=True)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.batches()
+
+    def batches(self, count: int | None = None) -> Iterator[dict[str, Any]]:
+        """The next ``count`` batches (``None``: endless, as ``iter(loader)``). With a count the workers build exactly
+        those batches and stop, so a stage that ends after a known number of micro-steps decodes nothing past it."""
+        if count is not None:
+            _check_int("batches", "count", count, 0)
         self._generation += 1
         generation = self._generation
-        batches = iter(self._data_loader())
+        batches = iter(self._data_loader(count))
         try:
             for batch, skipped in batches:
                 if generation != self._generation:
