@@ -4,8 +4,9 @@ decoder's MLA layers.
 Both pack many variable-length segments into one sequence to avoid padding. The mask is built once per forward from
 ``cu_seqlens`` and shared by every layer. On CUDA it is a FlexAttention ``BlockMask``: blocks that cross a segment
 boundary (or lie above the diagonal when causal) are skipped, so cost and memory follow the segments, not the whole
-length squared. Elsewhere it is a dense boolean mask for ``scaled_dot_product_attention``: the exact reference, fine
-at CPU-test lengths.
+length squared. Elsewhere attention runs segment by segment with ``scaled_dot_product_attention`` on each slice
+(``is_causal`` inside a segment): exact, and its memory follows the longest segment, so a 64K-token pack of documents
+and a pack of dozens of images both fit a CPU.
 
 This lives in ``vision`` because the vision tower may not import ``trainer``; the decoder imports it from here.
 """
@@ -37,13 +38,13 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DocumentMask:
-    """Which keys each query may see: same segment (and not later, when ``causal``). One of ``block_mask`` (CUDA)
-    or ``dense`` (bool ``[T, T]``, True = attend) is set."""
+    """Which keys each query may see: same segment (and not later, when ``causal``). ``block_mask`` is set on CUDA;
+    elsewhere ``bounds`` lists the ``(start, end)`` of every segment for the per-segment path."""
 
     doc_ids: torch.Tensor
     causal: bool
     block_mask: BlockMask | None
-    dense: torch.Tensor | None
+    bounds: tuple[tuple[int, int], ...]
 
     @property
     def length(self) -> int:
@@ -69,11 +70,10 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, use_fle
             def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
                 return doc[q_idx] == doc[kv_idx]
         block = create_block_mask(mask_mod, None, None, total, total, device=doc.device, _compile=True)
-        return DocumentMask(doc_ids=doc, causal=causal, block_mask=block, dense=None)
-    dense = doc[:, None] == doc[None, :]
-    if causal:
-        dense = dense.tril()
-    return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, dense=dense)
+        return DocumentMask(doc_ids=doc, causal=causal, block_mask=block, bounds=())
+    cuts = cu_seqlens.tolist()
+    bounds = tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a)
+    return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, bounds=bounds)
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
@@ -83,4 +83,5 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         raise ValueError(f"q: expected [1, H, {mask.length}, D], got {tuple(q.shape)}")
     if mask.block_mask is not None:
         return _compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale)
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=mask.causal,
+                                                     scale=scale) for a, b in mask.bounds], dim=2)
