@@ -212,7 +212,9 @@ class StreamingLoader:
                 shutdown()
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain JSON-able state: class tag, format version, what the order depends on, and the position."""
+        """Plain JSON-able state: class tag, format version, what the order depends on, and the position. The position
+        is the same on every rank (it counts the samples of all ranks), so any one rank's state restores them all;
+        only ``skipped`` is this rank's own count."""
         return {
             "class": type(self).__name__,
             "version": _STATE_VERSION,
