@@ -87,6 +87,8 @@ def test_a_new_iterator_retires_the_old_one(stage: Path) -> None:
     assert next(new)["sample_keys"] != first["sample_keys"]  # continues from the position, not from the start
     with pytest.raises(RuntimeError, match="replaced"):
         next(old)
+    with pytest.raises(ValueError, match="batches.count"):
+        loader.batches(-1)
 
 
 @pytest.mark.parametrize("kwargs,match", [

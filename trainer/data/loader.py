@@ -192,7 +192,9 @@ class StreamingLoader:
         if count is not None:
             _check_int("batches", "count", count, 0)
         self._generation += 1
-        generation = self._generation
+        return self._stream(count, self._generation)
+
+    def _stream(self, count: int | None, generation: int) -> Iterator[dict[str, Any]]:
         batches = iter(self._data_loader(count))
         try:
             for batch, skipped in batches:
