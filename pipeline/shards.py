@@ -95,9 +95,7 @@ def write_shard(stage_dir: str, name: str, samples: Sequence[PackedSample]) -> S
         with wds.TarWriter(hashing, encoder=False, mtime=0, user="longweave", group="longweave", mode=0o444) as tar:
             for sample in samples:
                 tar.write(sample_members(sample))
-    if FileSystems.exists(final):
-        FileSystems.delete([final])
-    FileSystems.rename([tmp], [final])
+    FileSystems.rename([tmp], [final])  # replaces a final file of an earlier run in one step (POSIX rename, GCS copy)
     return ShardEntry(
         path=name,
         samples=len(samples),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -83,9 +84,8 @@ class Trainer:
         model_config = dataclasses.replace(preset(config.model), checkpoint_layers=config.activation_checkpointing)
         self.model_config = model_config
         model = LongweaveModel(model_config)
-        total_steps = config.total_steps
-        schedule = lambda step: wsd_factor(step, total_steps=total_steps, warmup_steps=config.warmup_steps,  # noqa: E731
-                                           decay_fraction=config.decay_fraction, min_ratio=config.min_lr_ratio)
+        schedule = functools.partial(wsd_factor, total_steps=config.total_steps, warmup_steps=config.warmup_steps,
+                                     decay_fraction=config.decay_fraction, min_ratio=config.min_lr_ratio)
         self.state = TrainerState(stage=run.current_stage(config))
         stage = config.stage(self.state.stage)
         self.engine = build_engine(model, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
