@@ -43,3 +43,20 @@ def packed_small(small_corpus, tmp_path_factory: pytest.TempPathFactory):
                "--image-root", str(small_corpus / "images"), "--stages", "8k,64k"])
     assert rc == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def short_shards(small_corpus, tmp_path_factory: pytest.TempPathFactory):
+    """The small corpus packed at 512 and 1024 tokens (stages ``s512``, ``s1k``): cheap tiny-model steps on a CPU."""
+    from longweave.cli import main
+
+    out = tmp_path_factory.mktemp("short_shards")
+    (out / "stages.yaml").write_text(
+        "stages:\n"
+        "  - {name: s512, seq_len: 512, token_budget: 1, buckets: [{min_tokens: 0, max_tokens: null, weight: 1.0}]}\n"
+        "  - {name: s1k, seq_len: 1024, token_budget: 1, buckets: [{min_tokens: 0, max_tokens: null, weight: 1.0}]}\n"
+    )
+    assert main(["pack", "--input", str(small_corpus / "documents.jsonl"), "--format", "jsonl",
+                 "--output", str(out / "data"), "--image-root", str(small_corpus / "images"),
+                 "--config", str(out / "stages.yaml")]) == 0
+    return out / "data"

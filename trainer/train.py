@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -52,8 +53,10 @@ class TrainerState:
         return dataclasses.asdict(self)
 
 
-def _open_run(run: RunDir, config_path: Path | None) -> TrainConfig:
-    """The run's config: written at the first start; on resume a different --config is refused."""
+def _open_run(run: RunDir, config_path: Path | None, rank: int) -> TrainConfig:
+    """The run's config: written (by rank 0) at the first start; on resume a different --config is refused."""
+    if rank != 0:
+        return load_train_config(config_path) if config_path is not None else run.load_config()
     if run.config_path.is_file():
         config = run.load_config()
         if config_path is not None and load_train_config(config_path).fingerprint() != config.fingerprint():
@@ -181,6 +184,9 @@ class Trainer:
         totals = torch.tensor([loss_sum, float(n_loss)], dtype=torch.float64)
         if self.world_size > 1:
             torch.distributed.all_reduce(totals)
+            per_rank: list[list[str]] = [[] for _ in range(self.world_size)]
+            torch.distributed.all_gather_object(per_rank, keys)
+            keys = [key for rank_keys in per_rank for key in rank_keys]
         stats = [s.as_dict() for s in step_moe_balance(self.engine.module)]
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -204,7 +210,7 @@ class Trainer:
             "expert_cv": sum(s["cv"] for s in stats) / len(stats) if stats else None,
             "step_seconds": seconds,
             "skipped_samples": self.loader.skipped,
-            "sample_keys": keys,
+            "sample_keys": keys,  # every rank's, rank by rank
         }
         if self.device.type == "cuda":
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -252,7 +258,7 @@ class Trainer:
 
 def _run(args: argparse.Namespace, _extra: list[str] | None = None) -> int:
     run = RunDir(args.run)
-    config = _open_run(run, args.config)
+    config = _open_run(run, args.config, int(os.environ.get("RANK", "0")))
     try:
         trainer = Trainer(run, config)
         state = trainer.train(args.max_steps)

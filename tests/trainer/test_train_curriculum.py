@@ -16,13 +16,6 @@ from trainer.config import StageRun, TrainConfig
 from trainer.curriculum import StageError, advance, plan_stage
 from trainer.run_dir import RunDir
 
-STAGES_YAML = (
-    "stages:\n"
-    "  - {name: s512, seq_len: 512, token_budget: 1, buckets: [{min_tokens: 0, max_tokens: null, weight: 1.0}]}\n"
-    "  - {name: s1k, seq_len: 1024, token_budget: 1, buckets: [{min_tokens: 0, max_tokens: null, weight: 1.0}]}\n"
-)
-
-
 def _config_yaml(data: Path, steps_first: int, steps_second: int, **extra: object) -> str:
     lines = [
         "model: tiny",
@@ -38,17 +31,6 @@ def _config_yaml(data: Path, steps_first: int, steps_second: int, **extra: objec
         "keep_checkpoints: 3",
     ] + [f"{k}: {json.dumps(v)}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
-
-
-@pytest.fixture(scope="module")
-def short_shards(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The small corpus packed at 512 and 1024 tokens, so tiny-model steps stay cheap on two cores."""
-    out = tmp_path_factory.mktemp("short_shards")
-    (out / "stages.yaml").write_text(STAGES_YAML)
-    assert main(["pack", "--input", str(small_corpus / "documents.jsonl"), "--format", "jsonl",
-                 "--output", str(out / "data"), "--image-root", str(small_corpus / "images"),
-                 "--config", str(out / "stages.yaml")]) == 0
-    return out / "data"
 
 
 def _train(run: Path, config: Path | None, *extra: str) -> subprocess.Popen:

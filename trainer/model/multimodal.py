@@ -138,6 +138,10 @@ class LongweaveModel(nn.Module):
                 raise ValueError("pixel_values: the batch has image tokens but no pixel_values")
             image_embeds = self.vision(pixel_values, image_grid.to(pixel_values.device))
             x = x.index_put((positions,), image_embeds.to(x.dtype))
+        elif self.training and torch.is_grad_enabled():
+            # No image on this rank: still give every vision weight a (zero) gradient, so data-parallel ranks reduce
+            # the same gradient buckets whether or not their batch holds images.
+            x = x + sum(p.sum() for p in self.vision.parameters()).to(x.dtype) * 0.0
         return x
 
     def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
