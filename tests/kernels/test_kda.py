@@ -12,7 +12,7 @@ import torch
 INTERPRET = not torch.cuda.is_available()
 if INTERPRET:
     # Triton picks interpreter or compiler when a kernel is defined, so (re)import the KDA modules with it on; the
-    # fixture below keeps it on while this module's tests run and restores the environment for the rest of the suite.
+    # folder's conftest fixture keeps it on while the tests run (see tests/kernels/conftest.py).
     with pytest.MonkeyPatch.context() as _mp:
         _mp.setenv("TRITON_INTERPRET", "1")
         for _name in [m for m in sys.modules if m == "kernels.kda" or m.startswith("kernels.kda.")]:
@@ -23,15 +23,6 @@ from kernels.kda import chunk_kda, naive_chunk_kda, naive_recurrent_kda  # noqa:
 from kernels.kda.gate import kda_gate  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter():
-    """The interpreter also checks TRITON_INTERPRET while kernels run."""
-    with pytest.MonkeyPatch.context() as mp:
-        if INTERPRET:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 INTERPRET = not torch.cuda.is_available()
 if INTERPRET:
     # Triton picks interpreter or compiler when a kernel is defined: (re)import kernels.moe with it on. The
-    # fixture below keeps it on while this module's tests run; the rest of the suite sees the environment unchanged.
+    # folder's conftest fixture keeps it on while the tests run (see tests/kernels/conftest.py).
     with pytest.MonkeyPatch.context() as _mp:
         _mp.setenv("TRITON_INTERPRET", "1")
         for _name in [m for m in sys.modules if m == "kernels.moe" or m.startswith("kernels.moe.")]:
@@ -35,15 +35,6 @@ from kernels.moe import (
 from kernels.moe.grouped_gemm import loop_grouped_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter():
-    """The backends read TRITON_INTERPRET when they dispatch, so keep it on for this module's tests."""
-    with pytest.MonkeyPatch.context() as mp_env:
-        if INTERPRET:
-            mp_env.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

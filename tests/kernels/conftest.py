@@ -1,0 +1,19 @@
+"""Kernel tests without CUDA run the Triton kernels under the interpreter (fp32: it multiplies bf16 `tl.dot` wrongly).
+
+Triton picks interpreter or compiler when a kernel is defined, so each test module (re)imports its kernel package with
+``TRITON_INTERPRET=1``; the fixture here keeps the variable set while the folder's tests run, because the kernels read
+it again when they dispatch. ``make test`` runs this folder in its own process with the variable set from the start,
+so the rest of the suite keeps the plain PyTorch references.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.cuda.is_available():
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
