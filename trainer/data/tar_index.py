@@ -11,6 +11,8 @@ import dataclasses
 import os
 import tarfile
 
+from webdataset.tariterators import base_plus_ext
+
 from trainer.data.errors import LoaderFatalError
 from trainer.data.manifest_source import ShardSource
 
@@ -43,12 +45,11 @@ class SampleSpan:
 
 
 def _split_name(name: str) -> tuple[str, str]:
-    """``key, suffix`` the way webdataset groups members: the key ends at the first dot of the base name."""
-    folder, _, base = name.rpartition("/")
-    stem, dot, suffix = base.partition(".")
-    if not dot or not stem:
+    """``key, suffix`` by webdataset's own rule (the key ends at the first dot of the base name), as inspect does."""
+    key, suffix = base_plus_ext(name)
+    if key is None:
         raise ValueError(f"member {name!r} has no '<key>.<suffix>' form")
-    return (f"{folder}/{stem}" if folder else stem), suffix
+    return key, suffix
 
 
 def index_shard(shard: ShardSource) -> tuple[SampleSpan, ...]:
