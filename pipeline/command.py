@@ -19,6 +19,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from rich.console import Console
+from rich.table import Table
 
 from pipeline.readers import FORMATS
 from pipeline.shards import TMP_SUFFIX
@@ -123,8 +124,6 @@ def run_pack(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 
 def _print_report(report: dict) -> None:
-    from rich.table import Table
-
     table = Table(title="longweave pack")
     for col in ("stage", "documents in", "packed", "dead-lettered", "not selected", "samples", "shards", "fill"):
         table.add_column(col, justify="right")

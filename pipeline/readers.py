@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.document import Document, Segment
-from schemas.errors import SchemaError
+from schemas.errors import SchemaError, parse_json
 from pipeline.dead_letters import DeadLetter
 
 __all__ = ["FORMATS", "Record", "read_file"]
@@ -109,10 +109,7 @@ def _obelics_image(entry: Any) -> Segment:
 def _json_field(value: Any, field: str) -> Any:
     if value is None or isinstance(value, (Mapping, list)):
         return value if value is not None else {}
-    try:
-        return json.loads(value)
-    except ValueError as exc:
-        raise SchemaError("record", field, f"not valid JSON ({exc})") from None
+    return parse_json(value, "record", field)
 
 
 def _obelics_row(row: Mapping[str, Any], where: str, path: str, source: str) -> Record:

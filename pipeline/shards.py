@@ -20,7 +20,7 @@ from pipeline.packing import PackedSample
 from schemas.manifest import ShardEntry
 from schemas.sample import META_MEMBER, TOKENS_MEMBER
 
-__all__ = ["ShardLimits", "sample_members", "shard_groups", "write_shard", "TMP_SUFFIX"]
+__all__ = ["ShardLimits", "sample_members", "shard_groups", "write_shard", "write_file_atomic", "TMP_SUFFIX"]
 
 TMP_SUFFIX = ".tmp"
 
@@ -86,16 +86,29 @@ def shard_groups(samples: Sequence[PackedSample], limits: ShardLimits) -> Iterat
         yield group
 
 
+def _temp_and_final(folder: str, name: str) -> tuple[str, str]:
+    """Paths of a file written under a temporary name, then renamed (rename replaces in one step: POSIX, GCS copy)."""
+    return FileSystems.join(folder, f".{name}{TMP_SUFFIX}"), FileSystems.join(folder, name)
+
+
+def write_file_atomic(folder: str, name: str, data: bytes) -> str:
+    """Write ``data`` to ``folder/name`` so no reader ever sees a partial file under that name."""
+    tmp, final = _temp_and_final(folder, name)
+    with FileSystems.create(tmp) as f:
+        f.write(data)
+    FileSystems.rename([tmp], [final])
+    return final
+
+
 def write_shard(stage_dir: str, name: str, samples: Sequence[PackedSample]) -> ShardEntry:
     """Write ``samples`` to ``stage_dir/name`` atomically and describe the result for the manifest."""
-    final = FileSystems.join(stage_dir, name)
-    tmp = FileSystems.join(stage_dir, f".{name}{TMP_SUFFIX}")
+    tmp, final = _temp_and_final(stage_dir, name)
     with FileSystems.create(tmp) as raw:
         hashing = _HashingWriter(raw)
         with wds.TarWriter(hashing, encoder=False, mtime=0, user="longweave", group="longweave", mode=0o444) as tar:
             for sample in samples:
                 tar.write(sample_members(sample))
-    FileSystems.rename([tmp], [final])  # replaces a final file of an earlier run in one step (POSIX rename, GCS copy)
+    FileSystems.rename([tmp], [final])
     return ShardEntry(
         path=name,
         samples=len(samples),

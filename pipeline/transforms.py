@@ -25,7 +25,7 @@ from pipeline.documents import TokenizedDocument, decode_document_images, tokeni
 from pipeline.images import ImageCache
 from pipeline.packing import concat_chunk_baseline, pack_window, stable_fraction
 from pipeline.readers import read_file
-from pipeline.shards import ShardLimits, shard_groups, write_shard
+from pipeline.shards import ShardLimits, shard_groups, write_file_atomic, write_shard
 from schemas.document import Document
 from schemas.manifest import MANIFEST_NAME, DocumentCounts, ShardEntry, ShardManifest
 from schemas.stage import StageSpec
@@ -317,12 +317,7 @@ def _write_manifest(item: tuple[str, dict[str, Any]], stages: dict[str, StageSpe
                     fingerprints: dict[str, str]) -> str:
     name, report = item
     manifest = build_manifest(stages[name], report, fingerprints)
-    path = FileSystems.join(output, name, MANIFEST_NAME)
-    tmp = FileSystems.join(output, name, f".{MANIFEST_NAME}.tmp")
-    with FileSystems.create(tmp) as f:
-        f.write(manifest.to_json().encode("utf-8"))
-    FileSystems.rename([tmp], [path])
-    return path
+    return write_file_atomic(FileSystems.join(output, name), MANIFEST_NAME, manifest.to_json().encode("utf-8"))
 
 
 class WriteManifests(beam.PTransform):
@@ -342,12 +337,7 @@ class WriteManifests(beam.PTransform):
 
 def _write_dead_letters(item: tuple[str, Iterable[str]], folder: str) -> str:
     reason, lines = item
-    path = FileSystems.join(folder, f"{reason}.jsonl")
-    tmp = FileSystems.join(folder, f".{reason}.jsonl.tmp")
-    with FileSystems.create(tmp) as f:
-        f.write("".join(line + "\n" for line in sorted(lines)).encode("utf-8"))
-    FileSystems.rename([tmp], [path])
-    return path
+    return write_file_atomic(folder, f"{reason}.jsonl", "".join(line + "\n" for line in sorted(lines)).encode("utf-8"))
 
 
 class WriteDeadLetters(beam.PTransform):

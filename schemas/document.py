@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-from schemas.errors import SchemaError, require, require_int
+from schemas.errors import SchemaError, parse_json, require, require_int
 
 __all__ = ["Segment", "Document", "DOCUMENT_SCHEMA", "SEGMENT_TYPE", "documents_to_table", "table_to_documents"]
 
@@ -180,11 +180,7 @@ class Document:
 
     @classmethod
     def from_json(cls, line: str | bytes) -> Document:
-        try:
-            data = json.loads(line)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SchemaError("document", "<root>", f"not valid JSON ({exc})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(line, "document"))
 
 
 def documents_to_table(documents: Iterable[Document]) -> pa.Table:
@@ -214,10 +210,7 @@ def table_to_documents(table: pa.Table) -> list[Document]:
     docs = []
     for row in table.select([f.name for f in DOCUMENT_SCHEMA]).to_pylist():
         record = f"document {row['id']!r}"
-        try:
-            metadata = json.loads(row["metadata"]) if row["metadata"] else {}
-        except ValueError as exc:
-            raise SchemaError(record, "metadata", f"not valid JSON ({exc})") from None
+        metadata = parse_json(row["metadata"], record, "metadata") if row["metadata"] else {}
         segments = tuple(Segment(**seg) for seg in (row["segments"] or []))
         docs.append(Document(id=row["id"], source=row["source"], segments=segments, metadata=metadata).validate())
     return docs

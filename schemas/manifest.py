@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from schemas.errors import SchemaError, require, require_int
+from schemas.errors import SchemaError, parse_json, require, require_int
 from schemas.stage import StageSpec
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_VERSION", "ShardEntry", "DocumentCounts", "ShardManifest"]
@@ -146,8 +146,4 @@ class ShardManifest:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> ShardManifest:
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SchemaError("manifest", "<root>", f"not valid JSON ({exc})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(raw, "manifest"))

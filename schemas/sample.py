@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from schemas.errors import SchemaError, require, require_int
+from schemas.errors import SchemaError, parse_json, require, require_int
 
 __all__ = [
     "TOKENS_MEMBER",
@@ -173,8 +173,4 @@ class PackedSampleMeta:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> PackedSampleMeta:
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SchemaError("sample", "<root>", f"meta.json is not valid JSON ({exc})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(raw, "sample", what="meta.json is "))
