@@ -95,7 +95,6 @@ class Trainer:
                                    schedule=schedule, ds_config=deepspeed_config(
                                        micro_batch=stage.micro_batch, grad_accum=config.grad_accum(stage, self.world_size),
                                        bf16=self.bf16, zero_stage=config.zero_stage, grad_clip=config.grad_clip))
-        self._keep_balance_fp32()
         loader_state = self._resume()
         self._enter_stage(self.state.stage, loader_state)
         self.metrics = MetricsWriter(run.metrics_path, run.tensorboard, enabled=self.rank == 0)
@@ -104,12 +103,6 @@ class Trainer:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
-    def _keep_balance_fp32(self) -> None:
-        """bf16 casts every floating buffer; the routing bias must stay fp32 (its updates are tiny)."""
-        for name, buffer in self.engine.module.named_buffers():
-            if name.endswith(("balance.bias", "balance.ema_target")) and buffer.dtype != torch.float32:
-                buffer.data = buffer.data.float()
-
     def _resume(self) -> dict[str, Any] | None:
         checkpoint = self.run.latest_checkpoint()
         if checkpoint is None:
@@ -117,7 +110,6 @@ class Trainer:
         saved = self.run.trainer_state(checkpoint)
         self.engine.load_checkpoint(str(self.run.checkpoints), tag=checkpoint.name,
                                     load_optimizer_states=True, load_lr_scheduler_states=True)
-        self._keep_balance_fp32()
         state = TrainerState(**saved["trainer"])
         if self.rank == 0:
             truncate_metrics(self.run.metrics_path, state.step)
@@ -236,8 +228,8 @@ class Trainer:
                                 description=f"{self.state.stage} loss {record['loss']:.3f}")
                 if self.state.step % self.config.checkpoint_every == 0:
                     self.save_checkpoint()
-        if self.run.latest_checkpoint() is None or self.run.trainer_state(self.run.latest_checkpoint())["trainer"][
-                "step"] != self.state.step:
+        latest = self.run.latest_checkpoint()
+        if latest is None or self.run.trainer_state(latest)["trainer"]["step"] != self.state.step:
             self.save_checkpoint()
         self.metrics.close()
         return self.state
