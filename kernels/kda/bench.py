@@ -1,6 +1,7 @@
 """Benchmark `chunk_kda` beside fla-core's `chunk_kda` (safe gate and default gate) on one GPU.
 
     python -m kernels.kda.bench [--lengths 8192 32768 131072 1048576] [--json out.json]
+    python -m kernels.kda.bench --profile 32768   # GPU time per kernel of each implementation, forward + backward
 
 B = 1, H = 16, K = V = 128, bf16 q/k/v, g = -5 sigmoid(randn) in float32, beta in (0, 1), q/k L2-normalised by
 each implementation, plus a 64K varlen batch of 34 documents. Times are medians of `triton.testing.do_bench` (CUDA
@@ -104,6 +105,27 @@ def measure(name: str, fn: Callable, T: int, cu: torch.Tensor | None) -> dict:
     return row
 
 
+def profile_kernels(impls: dict[str, Callable], T: int, repeat: int = 3) -> None:
+    """Print each implementation's GPU kernels by total time over `repeat` warm forward + backward passes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in impls.items():
+        x = make_inputs(T, gate=name.endswith("-gate"))
+        x["A_log"] = torch.zeros(H, device="cuda")
+        do = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):
+            fn(x, None)[0].backward(do)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeat):
+                fn(x, None)[0].backward(do)
+            torch.cuda.synchronize()
+        print(f"== {name} T={T}, {repeat} forward+backward passes")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        del x, do
+        torch.cuda.empty_cache()
+
+
 def table(rows: list[dict]) -> str:
     head = f"{'shape':>22} {'impl':>15} {'fwd ms':>8} {'f+b ms':>8} {'f+b TF/s':>8} {'f+b TB/s':>8} " \
            f"{'peak GiB':>8} {'x fla-safe':>10}"
@@ -127,11 +149,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072, 1048576])
     parser.add_argument("--impls", nargs="+", default=None, help="subset of implementations to run")
     parser.add_argument("--json", default=None, help="write the raw rows here")
+    parser.add_argument("--profile", type=int, default=None, metavar="T",
+                        help="instead of timing, print the GPU kernels of each implementation at length T")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     impls = implementations()
     if args.impls:
         impls = {n: f for n, f in impls.items() if n in args.impls}
+    if args.profile:
+        profile_kernels(impls, args.profile)
+        return
     varlen = 65536
     cu = torch.tensor([0, *torch.tensor(doc_lengths(varlen, 34)).cumsum(0).tolist()], device="cuda")
     shapes = [(T, None) for T in args.lengths] + [(varlen, cu)]
