@@ -9,6 +9,7 @@ from kernels.kda.chunk_bwd import chunk_kda_bwd
 from kernels.kda.chunk_fwd import chunk_kda_fwd_h
 from kernels.kda.chunk_intra import chunk_kda_fwd_intra
 from kernels.kda.gate import kda_gate
+from kernels.kda.l2norm import l2norm, l2norm_reference
 from kernels.kda.naive import CHUNK, naive_chunk_kda
 
 # Read once at import: the Triton kernels are built for the interpreter only if it was on when they were defined.
@@ -52,17 +53,16 @@ class ChunkKDAFunction(torch.autograd.Function):
         Aqk, Ainv, w, u = chunk_kda_fwd_intra(q, k, v, g, beta, gate, chunks, prec)
         o, ht, h = chunk_kda_fwd_h(q, k, g, gate, w, u, chunks, Aqk, scale, h0, output_final_state,
                                    any(ctx.needs_input_grad), cu_seqlens, chunk_offsets, prec[0])
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunks)
-        # Intermediates live on ctx (not saved tensors) so the backward can drop each one as soon as it is read.
-        ctx.intermediates = dict(Aqk=Aqk, Ainv=Ainv, w=w, vn=u, h=h)
+        # Everything through save_for_backward, so that activation checkpointing drops and recomputes it too.
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunks, Aqk, Ainv, w, u, h)
         ctx.meta = (B, T, g_min, scale, h0 is not None, initial_state.dtype if h0 is not None else None)
         return o.view(B, T, H, V), ht
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, dht: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunks = ctx.saved_tensors
-        saved = ctx.intermediates
-        del ctx.intermediates
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunks, *inter = ctx.saved_tensors
+        saved = dict(zip(("Aqk", "Ainv", "w", "vn", "h"), inter))
+        del inter
         B, T, g_min, scale, has_h0, h0_dtype = ctx.meta
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
         do = do.reshape(1, B * T, H, V).contiguous()
@@ -93,35 +93,6 @@ def _gate_param_grads(dz: torch.Tensor, z: torch.Tensor, dt_bias: torch.Tensor |
         dA += (ds * x).sum((0, 2))
         db += ds.sum(0)
     return dA, db.reshape(-1)
-
-
-class L2Norm(torch.autograd.Function):
-    """x / sqrt(sum_k x^2 + 1e-6) over the last dim, in float32 slices of 1M rows so that a 1M-token input needs
-    no full-size float32 temporaries."""
-
-    SLICE = 1 << 20
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        y = torch.empty_like(flat)
-        r = flat.new_empty(flat.shape[0], 1, dtype=torch.float32)
-        for i in range(0, flat.shape[0], L2Norm.SLICE):
-            xs = flat[i:i + L2Norm.SLICE].float()
-            r[i:i + L2Norm.SLICE] = torch.rsqrt(xs.pow(2).sum(-1, keepdim=True) + 1e-6)
-            y[i:i + L2Norm.SLICE] = xs * r[i:i + L2Norm.SLICE]
-        ctx.save_for_backward(x, r)
-        return y.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
-        x, r = ctx.saved_tensors
-        flat, dflat = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
-        dx = torch.empty_like(flat)
-        for i in range(0, flat.shape[0], L2Norm.SLICE):
-            xs, ds, rs = flat[i:i + L2Norm.SLICE].float(), dflat[i:i + L2Norm.SLICE].float(), r[i:i + L2Norm.SLICE]
-            dx[i:i + L2Norm.SLICE] = rs * ds - xs * rs.pow(3) * (xs * ds).sum(-1, keepdim=True)
-        return dx.view_as(x)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -201,19 +172,21 @@ def chunk_kda(
     optional), so g never exists in memory and its bound holds by construction.
     cu_seqlens [N+1] (int32/int64, B == 1): packed documents, state reset at each boundary.
     initial_state [N, H, K, V]; scale defaults to 1/sqrt(K).
-    use_qk_l2norm normalises q and k as x / sqrt(|x|^2 + 1e-6) (float32, in PyTorch before the kernels).
+    use_qk_l2norm normalises q and k as x / sqrt(|x|^2 + 1e-6) (float32 arithmetic; one Triton kernel each way).
     Returns o [B, T, H, V] (v's dtype) and the final state [N, H, K, V] float32 if asked, else None.
     Triton on CUDA (and on CPU under TRITON_INTERPRET=1), `naive_chunk_kda` elsewhere.
     """
     _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, g_min)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if use_qk_l2norm:
-        q, k = L2Norm.apply(q), L2Norm.apply(k)
     if not (q.is_cuda or INTERPRET):
+        if use_qk_l2norm:
+            q, k = l2norm_reference(q), l2norm_reference(k)
         decay = kda_gate(g, A_log, dt_bias, g_min) if A_log is not None else g
         o, final = naive_chunk_kda(q, k, v, decay, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         return o.to(v.dtype), final
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
     B, T = q.shape[:2]
     if cu_seqlens is None:
         cu_seqlens = torch.arange(B + 1, dtype=torch.int32) * T

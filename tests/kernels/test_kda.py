@@ -306,3 +306,33 @@ def test_gpu_agrees_with_fla(B: int, T: int, H: int, K: int, docs: int | None) -
     errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
     errors |= {f"d{n}": rel_err(grads[n], g_ref[n]) for n in grads}
     assert max(errors.values()) <= 5e-3, errors
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 2, 32), (1, 65, 3, 128)], ids=["odd-rows-K32", "K128"])
+def test_l2norm_kernel_matches_reference(shape: tuple[int, ...]) -> None:
+    from kernels.kda.l2norm import l2norm, l2norm_reference
+
+    _seed()
+    x = torch.randn(*shape, device=DEVICE) * 3
+    dy = torch.randn(*shape, device=DEVICE)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = l2norm(xa), l2norm_reference(xb)
+    (ya * dy).sum().backward()
+    (yb * dy).sum().backward()
+    assert rel_err(ya, yb) <= 1e-6
+    assert rel_err(xa.grad, xb.grad) <= 1e-5
+
+
+def test_intermediates_go_through_saved_tensor_hooks() -> None:
+    """Activation checkpointing drops what autograd saves through its hooks; the A matrices, w, v_new and the
+    chunk-start states must be among them, or every checkpointed layer would keep them alive until backward."""
+    case = make_inputs(1, 80, 2, 32, 32, h0=False)
+    x = {n: t.clone().requires_grad_() for n, t in case["inputs"].items() if t is not None}
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (shapes.append(tuple(t.shape)), t)[1], lambda t: t):
+        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert shapes.count((1, 80, 2, 64)) == 2      # A_qk and the UT inverse
+    assert shapes.count((1, 80, 2, 32)) == 6      # q, k, v, g, w and v_new
+    assert (2, 2, 32, 32) in shapes               # chunk-start states [NT, H, K, V]
+    o.sum().backward()
+    assert all(x[n].grad is not None for n in ("q", "k", "v", "g", "beta"))
