@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import row_block_exponents, stack_rows
+from kernels.kda.chunk_intra import anchor_exponents
 from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chunk_kda_decay
 from kernels.kda.gate import load_log_decay, log_decay_grad
 from kernels.kda.tuning import configs, fit_v
@@ -62,31 +62,6 @@ def chunk_kda_bwd_dh_kernel(
         b_dS -= tl.dot(tl.trans(b_w), b_dvn.to(dt), input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_s, b_dS)
-
-
-@triton.jit
-def grad_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, b_dAqk, b_dAkk, b_dAkkb, t0, te, i_h, o_k,
-              H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, a: tl.constexpr, BC: tl.constexpr,
-              USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr):
-    """Sub-chunk a's share of the Gram-matrix gradients: its rows [BC, BK] of dA_qk (k e) and dA_kk (k e), and
-    what its rows send to dk as writers [BT, BK]."""
-    rows = t0 + a * BC + tl.arange(0, BC)
-    p_a = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-    e_row, e_col = row_block_exponents(g + p_a, rows, te, A_log, dt_bias, i_h, o_k, b_g, b_G, K, BT, a, BC,
-                                       USE_GATE, HAS_BIAS, G_MIN)
-    at_a = (tl.arange(0, 4) == a)[:, None, None]
-    b_qk = tl.sum(tl.where(at_a, tl.reshape(b_dAqk, (4, BC, BT)), 0.), 0)
-    b_kk = tl.sum(tl.where(at_a, tl.reshape(b_dAkk, (4, BC, BT)), 0.), 0)
-    b_kkb = tl.sum(tl.where(at_a, tl.reshape(b_dAkkb, (4, BC, BT)), 0.), 0)
-    m_a = (rows < te)[:, None]
-    b_qa = tl.load(q + p_a, mask=m_a, other=0.).to(tl.float32) * e_row
-    b_ka = tl.load(k + p_a, mask=m_a, other=0.).to(tl.float32) * e_row
-    b_kc = b_k * e_col
-    b_dq = e_row * tl.dot(b_qk, b_kc, input_precision=PREC)
-    b_R = e_row * tl.dot(b_kk, b_kc, input_precision=PREC)
-    b_dkw = e_col * (tl.dot(tl.trans(b_qk), b_qa, input_precision=PREC)
-                     + tl.dot(tl.trans(b_kkb), b_ka, input_precision=PREC))
-    return b_dq, b_R, b_dkw
 
 
 # Narrow K blocks keep the many [BT, BK] gradient tiles in registers at the price of repeating the V-loop products.
@@ -156,21 +131,14 @@ def chunk_kda_bwd_kernel(
     b_dk_read = -b_beta[:, None] * b_eG * b_P          # through K exp(G) in X
     b_dk_write = b_dkd * tl.exp(b_gam[None, :] - b_G)  # through k exp(gamma - G) in the state update
     b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dk_write, 0)
-    # Row blocks a of dq and of R = sum_j dA_kk[i, j] k_j exp(G_i - G_j): each a [BC, BT] x [BT, BK] product.
-    b_dq0, b_R0, b_dkw = grad_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, b_dAqk, b_dAkk, b_dAkkb, t0, te,
-                                   i_h, o_k, H, K, BT, 0, BC, USE_GATE, HAS_BIAS, G_MIN, PREC)
-    b_dk_write += b_dkw
-    b_dq1, b_R1, b_dkw = grad_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, b_dAqk, b_dAkk, b_dAkkb, t0, te,
-                                   i_h, o_k, H, K, BT, 1, BC, USE_GATE, HAS_BIAS, G_MIN, PREC)
-    b_dk_write += b_dkw
-    b_dq2, b_R2, b_dkw = grad_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, b_dAqk, b_dAkk, b_dAkkb, t0, te,
-                                   i_h, o_k, H, K, BT, 2, BC, USE_GATE, HAS_BIAS, G_MIN, PREC)
-    b_dk_write += b_dkw
-    b_dq3, b_R3, b_dkw = grad_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, b_dAqk, b_dAkk, b_dAkkb, t0, te,
-                                   i_h, o_k, H, K, BT, 3, BC, USE_GATE, HAS_BIAS, G_MIN, PREC)
-    b_dk_write += b_dkw
-    b_dq += stack_rows(b_dq0, b_dq1, b_dq2, b_dq3)
-    b_R = stack_rows(b_R0, b_R1, b_R2, b_R3)
+    b_R = tl.zeros([BT, BK], dtype=tl.float32)         # sum_j dA_kk[i, j] k_j exp(G_i - G_j)
+    for a in tl.static_range(BT // BC):
+        e_row, e_col = anchor_exponents(b_g, b_G, a, BT, BC)
+        b_kc = b_k * e_col
+        b_dq += e_row * tl.dot(b_dAqk, b_kc, input_precision=PREC)
+        b_R += e_row * tl.dot(b_dAkk, b_kc, input_precision=PREC)
+        b_dk_write += e_col * tl.dot(tl.trans(b_dAqk), b_q * e_row, input_precision=PREC)
+        b_dk_write += e_col * tl.dot(tl.trans(b_dAkkb), b_k * e_row, input_precision=PREC)
     b_dk_read += b_beta[:, None] * b_R
     b_dk = b_dk_read + b_dk_write
     b_dG = b_q * b_dq + b_k * (b_dk_read - b_dk_write)

@@ -16,69 +16,40 @@ from kernels.kda.gate import load_log_decay
 
 
 @triton.jit
-def stack_rows(b0, b1, b2, b3):
-    """Four [BC, N] row blocks -> [4 BC, N], block a on rows a BC .. a BC + BC - 1 (register shuffles only)."""
-    b_j = tl.join(tl.join(b0, b1), tl.join(b2, b3))  # [BC, N, 2, 2]: [r, c, j, i] = block 2 i + j
-    b_j = tl.permute(b_j, (3, 2, 0, 1))
-    return tl.reshape(b_j, (4 * b0.shape[0], b0.shape[1]))
-
-
-@triton.jit
-def row_block_exponents(p_g, rows, te, A_log, dt_bias, i_h, o_k, b_g, b_G, K: tl.constexpr,
-                        BT: tl.constexpr, a: tl.constexpr, BC: tl.constexpr, USE_GATE: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr):
-    """For row sub-chunk a: exp(G_i - c_a) on its BC rows [BC, BK] (a local cumulative sum of its own gates, read
-    again from memory) and exp(c_a - G_j) on the chunk's tokens up to its end [BT, BK] (0 after), from the chunk's
-    gates b_g [BT, BK] and their cumulative sums b_G."""
+def anchor_exponents(b_g, b_G, a: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """exp(G - c_a) on the rows of sub-chunk a (else 0) and exp(c_a - G) on tokens up to its end (else 0)."""
     o_t = tl.arange(0, BT)
     b_c = tl.sum(tl.where((o_t < a * BC)[:, None], b_g, 0.), 0)
-    e_col = tl.exp(tl.where((o_t < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf")))
-    m_a = rows < te
-    b_ga = load_log_decay(p_g, m_a, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
-    e_row = tl.exp(tl.cumsum(b_ga, 0))
+    m_row = (o_t >= a * BC) & (o_t < a * BC + BC)
+    m_col = o_t < a * BC + BC
+    e_row = tl.exp(tl.where(m_row[:, None], b_G - b_c[None, :], float("-inf")))
+    e_col = tl.exp(tl.where(m_col[:, None], b_c[None, :] - b_G, float("-inf")))
     return e_row, e_col
 
 
 @triton.jit
-def gram_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, t0, te, i_h, o_k, H: tl.constexpr,
-              K: tl.constexpr, BT: tl.constexpr, a: tl.constexpr, BC: tl.constexpr, USE_GATE: tl.constexpr,
-              HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr):
-    """Row block a [BC, BT] of the gated Gram matrices q (k e)^T and k (k e)^T over one K block (no masks)."""
-    rows = t0 + a * BC + tl.arange(0, BC)
-    p_a = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-    e_row, e_col = row_block_exponents(g + p_a, rows, te, A_log, dt_bias, i_h, o_k, b_g, b_G, K, BT, a, BC,
-                                       USE_GATE, HAS_BIAS, G_MIN)
-    m_a = (rows < te)[:, None]
-    b_qa = tl.load(q + p_a, mask=m_a, other=0.).to(tl.float32) * e_row
-    b_ka = tl.load(k + p_a, mask=m_a, other=0.).to(tl.float32) * e_row
-    b_kc = tl.trans(b_k * e_col)
-    return tl.dot(b_qa, b_kc, input_precision=PREC), tl.dot(b_ka, b_kc, input_precision=PREC)
-
-
-@triton.jit
 def solve_unit_lower(b_L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """(I + L)^-1 for strictly lower L [BT, BT] (BT = 4 BC).
+    """(I + L)^-1 for strictly lower L [BT, BT], with dots only.
 
-    The diagonal BC-blocks D = (I + L_d)^-1 by forward substitution, all four blocks at once in float32 FMAs (row r
-    of every block per step: the exact arithmetic of substitution, no tensor cores); then (I + L)^-1 = (I + N)^-1 D
-    with N = D L_o strictly block-lower, by Horner with dots (T <- D - N T, exact after three steps).
+    Diagonal BC-blocks D = (I + L_d)^-1 by the Horner form of the Neumann series on the stacked [BT, BC] blocks
+    (X <- E - L_d X; local row r is exact after r steps, the arithmetic of forward substitution, so no large powers
+    of L appear); then (I + L)^-1 = (I + N)^-1 D with N = D L_o strictly block-lower, again by Horner (T <- D - N T).
     """
     o_t = tl.arange(0, BT)
     o_c = tl.arange(0, BC)
-    o_b = tl.arange(0, 4)
     blk = o_t // BC
-    eye4 = (o_b[:, None] == o_b[None, :])[:, None, :, None]
-    b_Ld = tl.sum(tl.where(eye4, tl.reshape(b_L, (4, BC, 4, BC)), 0.), 2)  # [4, BC, BC]: the diagonal blocks
-    b_X = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1., 0.) + tl.zeros([4, BC, BC], dtype=tl.float32)
-    for r in tl.static_range(1, BC):
-        at_r = (o_c == r)[None, :, None]
-        b_lr = tl.sum(tl.where(at_r, b_Ld, 0.), 1)                 # [4, BC]: row r of each block
-        b_xr = tl.sum(b_lr[:, :, None] * b_X, 1)                  # [4, BC]: sum_j L[r, j] X[j, :]
-        b_X = tl.where(at_r, b_X - b_xr[:, None, :], b_X)
-    b_D = tl.reshape(tl.where(eye4, b_X[:, :, None, :], 0.), (BT, BT))
+    same = blk[:, None] == blk[None, :]
+    b_E = tl.where((o_t % BC)[:, None] == o_c[None, :], 1., 0.)
+    b_Ld = tl.where(same, b_L, 0.)
+    b_X = b_E
+    for _ in range(BC - 1):
+        b_X = b_E - tl.dot(b_Ld, b_X, input_precision=PREC)
+    # Spread the stacked blocks onto the diagonal: one nonzero per sum, so exact in float32.
+    b_P = tl.where(o_c[:, None] == (o_t % BC)[None, :], 1., 0.)
+    b_D = tl.where(same, tl.dot(b_X, b_P, input_precision="ieee"), 0.)
     b_N = tl.dot(b_D, tl.where(blk[:, None] > blk[None, :], b_L, 0.), input_precision=PREC)
     b_T = b_D
-    for _ in tl.static_range(3):
+    for _ in range(BT // BC - 1):
         b_T = b_D - tl.dot(b_N, b_T, input_precision=PREC)
     return b_T
 
@@ -94,35 +65,26 @@ def chunk_kda_fwd_intra_kernel(
     t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
     te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
     o_t = tl.arange(0, BT)
-    o_c = tl.arange(0, BC)
     rows = t0 + o_t
     m_t = rows < te
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
 
-    # Row blocks a of A_qk and A_kk: each is one [BC, BK] x [BK, BT] product per K block (no masked rows).
-    b_q0 = tl.zeros([BC, BT], dtype=tl.float32)
-    b_q1, b_q2, b_q3 = b_q0, b_q0, b_q0
-    b_k0, b_k1, b_k2, b_k3 = b_q0, b_q0, b_q0, b_q0
+    b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in tl.static_range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
         b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
         b_G = tl.cumsum(b_g, 0)
-        x_q, x_k = gram_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, t0, te, i_h, o_k, H, K, BT, 0, BC,
-                             USE_GATE, HAS_BIAS, G_MIN, PREC)
-        b_q0, b_k0 = b_q0 + x_q, b_k0 + x_k
-        x_q, x_k = gram_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, t0, te, i_h, o_k, H, K, BT, 1, BC,
-                             USE_GATE, HAS_BIAS, G_MIN, PREC)
-        b_q1, b_k1 = b_q1 + x_q, b_k1 + x_k
-        x_q, x_k = gram_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, t0, te, i_h, o_k, H, K, BT, 2, BC,
-                             USE_GATE, HAS_BIAS, G_MIN, PREC)
-        b_q2, b_k2 = b_q2 + x_q, b_k2 + x_k
-        x_q, x_k = gram_rows(q, k, g, A_log, dt_bias, b_k, b_g, b_G, t0, te, i_h, o_k, H, K, BT, 3, BC,
-                             USE_GATE, HAS_BIAS, G_MIN, PREC)
-        b_q3, b_k3 = b_q3 + x_q, b_k3 + x_k
-    b_Aqk = tl.where(o_t[:, None] >= o_t[None, :], stack_rows(b_q0, b_q1, b_q2, b_q3), 0.)
-    b_Akk = tl.where(o_t[:, None] > o_t[None, :], stack_rows(b_k0, b_k1, b_k2, b_k3) * b_beta[:, None], 0.)
+        for a in tl.static_range(BT // BC):
+            e_row, e_col = anchor_exponents(b_g, b_G, a, BT, BC)
+            b_kc = tl.trans(b_k * e_col)
+            b_Aqk += tl.dot(b_q * e_row, b_kc, input_precision=PREC)
+            b_Akk += tl.dot(b_k * e_row, b_kc, input_precision=PREC)
+    b_Aqk = tl.where(o_t[:, None] >= o_t[None, :], b_Aqk, 0.)
+    b_Akk = tl.where(o_t[:, None] > o_t[None, :], b_Akk * b_beta[:, None], 0.)
     b_T = solve_unit_lower(b_Akk, BT, BC, SOLVE_PREC)
 
     p_A = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
