@@ -32,6 +32,7 @@ from kernels.moe import (
     route,
     swiglu,
 )
+from kernels.moe.balance import exact_quantile_bias
 from kernels.moe.grouped_gemm import loop_grouped_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,6 +145,14 @@ def test_exact_bias_update_matches_naive() -> None:
     balancer.observe(routing.scores, routing.alpha, routing.expert_idx)
     balancer.step()
     assert rel_err(balancer.bias, naive_bias_update(scores, bias, 3)) <= 1e-5
+
+
+@pytest.mark.parametrize("n, level", [(501, 3 / 16), (64, 0.75), (17, 0.5), (2, 0.5), (1, 0.25)])
+def test_exact_quantile_selects_the_linear_quantile(n: int, level: float) -> None:
+    """The top-k selection (from the low end below the median, the high end above) equals torch.quantile."""
+    residuals = torch.randn(n, 12, generator=torch.Generator().manual_seed(n))
+    expected = torch.quantile(residuals, level, dim=0)
+    assert torch.allclose(exact_quantile_bias(residuals, level), expected, atol=1e-6, rtol=0)
 
 
 def test_histogram_within_resolution_of_exact() -> None:
