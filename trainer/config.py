@@ -64,6 +64,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 1
     auto_advance: bool = True  # move to the next stage by itself once a stage's budget is spent
+    # False only for benchmark runs: no checkpoint is written (periodic, at a stage transition, or at the end), so the
+    # run cannot resume and `longweave stage advance` refuses it; the trainer's own stage advances still happen.
+    save_checkpoints: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.data, str) and bool(self.data), "data", "must be the pack output folder")
@@ -77,6 +80,8 @@ class TrainConfig:
         _require(0.0 <= self.decay_fraction <= 1.0, "decay_fraction", f"must lie in [0, 1], got {self.decay_fraction}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        for name in ("bf16", "activation_checkpointing", "auto_advance", "save_checkpoints"):
+            _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         _require(self.zero_stage in (0, 1, 2), "zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")
         _require(self.bad_sample_policy in ("fail", "skip"), "bad_sample_policy",
                  f"must be 'fail' or 'skip', got {self.bad_sample_policy!r}")

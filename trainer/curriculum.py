@@ -80,12 +80,18 @@ def next_stage(config: TrainConfig, current: str, to: str | None = None) -> Stag
     return config.stages[index + 1]
 
 
-def advance(run: RunDir, config: TrainConfig, world_size: int, to: str | None = None) -> dict[str, Any]:
-    """Move the run to its next stage (or ``to``); returns the transition record."""
-    checkpoint = run.latest_checkpoint()
-    if checkpoint is None:
-        raise StageError(f"{run.root}: the run has no complete checkpoint; train before advancing")
-    state = run.trainer_state(checkpoint)["trainer"]
+def advance(run: RunDir, config: TrainConfig, world_size: int, to: str | None = None,
+            state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Move the run to its next stage (or ``to``); returns the transition record.
+
+    Where the run stands comes from its newest checkpoint, or from ``state`` (the trainer's in-memory
+    ``TrainerState.to_dict()``) in a run that writes no checkpoints (``save_checkpoints: false``)."""
+    checkpoint = None
+    if state is None:
+        checkpoint = run.latest_checkpoint()
+        if checkpoint is None:
+            raise StageError(f"{run.root}: the run has no complete checkpoint; train before advancing")
+        state = run.trainer_state(checkpoint)["trainer"]
     current = run.current_stage(config)
     target = next_stage(config, current, to)
     manifest = stage_manifest(config, target)
@@ -95,7 +101,7 @@ def advance(run: RunDir, config: TrainConfig, world_size: int, to: str | None = 
         "time": time.time(),
         "from": current,
         "to": target.name,
-        "checkpoint": checkpoint.name,
+        "checkpoint": checkpoint.name if checkpoint is not None else None,
         "step": state["step"],
         "tokens": state["tokens"],
         "tokens_in_previous_stage": state["stage_tokens"] if state["stage"] == current else 0,

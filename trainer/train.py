@@ -33,7 +33,7 @@ from trainer.model.multimodal import LongweaveModel
 from trainer.run_dir import TRAINER_STATE, RunDir, write_json_atomic
 from trainer.schedule import wsd_factor
 
-__all__ = ["Trainer", "TrainerState", "main", "register"]
+__all__ = ["Trainer", "TrainerState", "batch_shapes", "main", "model_inputs", "register"]
 log = logging.getLogger(__name__)
 
 _MODEL_INPUTS = ("input_ids", "labels", "cu_seqlens", "pixel_values", "image_grid")
@@ -53,6 +53,22 @@ class TrainerState:
         return dataclasses.asdict(self)
 
 
+def model_inputs(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The model's arguments from a loader batch: tensors on ``device``, image patches in ``dtype``."""
+    inputs = {k: batch[k].to(device, non_blocking=True) if isinstance(batch[k], torch.Tensor) else batch[k]
+              for k in _MODEL_INPUTS}
+    if inputs["pixel_values"] is not None:
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    return {**inputs, "sample_keys": batch["sample_keys"]}
+
+
+def batch_shapes(batch: dict[str, Any]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Segment lengths (padding included) and merged image grids of a loader batch: what the FLOP count needs."""
+    lengths = torch.diff(batch["cu_seqlens"]).tolist()
+    grids = [tuple(g) for g in batch["image_grid"].tolist()] if batch["image_grid"] is not None else []
+    return lengths, grids
+
+
 def _open_run(run: RunDir, config_path: Path | None, rank: int) -> TrainConfig:
     """The run's config: written (by rank 0) at the first start; on resume a different --config is refused."""
     if rank != 0:
@@ -62,6 +78,9 @@ def _open_run(run: RunDir, config_path: Path | None, rank: int) -> TrainConfig:
         if config_path is not None and load_train_config(config_path).fingerprint() != config.fingerprint():
             raise SystemExit(f"--config {config_path}: differs from the config {run.root} was started with; "
                              "start a new run folder instead")
+        if not config.save_checkpoints:
+            raise SystemExit(f"--run {run.root}: this run writes no checkpoints (save_checkpoints: false), so it "
+                             "cannot resume; start a new run folder")
         return config
     if config_path is None:
         raise SystemExit(f"--run {run.root}: not a run yet; pass --config to start one")
@@ -73,6 +92,7 @@ def _open_run(run: RunDir, config_path: Path | None, rank: int) -> TrainConfig:
 
 class Trainer:
     def __init__(self, run: RunDir, config: TrainConfig) -> None:
+        self.started = time.perf_counter()
         self.run, self.config = run, config
         self.rank, self.world_size, _ = init_distributed()
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -151,19 +171,15 @@ class Trainer:
         return folder
 
     def _micro_step(self, batch: dict[str, Any]) -> tuple[float, int, list[int], list[tuple[int, int]]]:
-        dtype = torch.bfloat16 if self.bf16 else torch.float32
-        inputs = {k: batch[k].to(self.device, non_blocking=True) if isinstance(batch[k], torch.Tensor) else batch[k]
-                  for k in _MODEL_INPUTS}
-        if inputs["pixel_values"] is not None:
-            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-        out = self.engine(**inputs, sample_keys=batch["sample_keys"])
+        out = self.engine(**model_inputs(batch, self.device, torch.bfloat16 if self.bf16 else torch.float32))
         self.engine.backward(out.loss)
         self.engine.step()
-        lengths = torch.diff(batch["cu_seqlens"]).tolist()
-        grids = [tuple(g) for g in batch["image_grid"].tolist()] if batch["image_grid"] is not None else []
+        lengths, grids = batch_shapes(batch)
         return float(out.loss_sum.detach()), out.n_loss_tokens, lengths, grids
 
     def train_step(self) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()  # peak_memory_gib is this step's
         start = time.perf_counter()
         loss_sum, n_loss, lengths, grids, keys = 0.0, 0, [], [], []
         for _ in range(self.plan.grad_accum):
@@ -192,6 +208,8 @@ class Trainer:
             "step": self.state.step,
             "stage": self.state.stage,
             "seq_len": self.plan.seq_len,
+            "micro_batch": self.plan.micro_batch,
+            "grad_accum": self.plan.grad_accum,
             "loss": float(totals[0] / max(totals[1], 1)),
             "lr": self.engine.lr_scheduler.get_last_lr()[0],
             "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
@@ -201,6 +219,7 @@ class Trainer:
             "expert_max_over_mean": max((s["max_over_mean"] for s in stats), default=None),
             "expert_cv": sum(s["cv"] for s in stats) / len(stats) if stats else None,
             "step_seconds": seconds,
+            "process_seconds": time.perf_counter() - self.started,  # since this process built the trainer
             "skipped_samples": self.loader.skipped,
             "sample_keys": keys,  # every rank's, rank by rank
         }
@@ -224,24 +243,34 @@ class Trainer:
                 done_here += 1
                 if self.state.step % self.config.log_every == 0:
                     self.metrics.write(record)
+                    if self.rank == 0:
+                        log.info("step %d (%s): %.2f s, %.0f tokens/s, MFU %s, peak %s GiB, loss %.4f",
+                                 record["step"], record["stage"], record["step_seconds"], record["tokens_per_s"],
+                                 f"{record['mfu']:.2%}" if record["mfu"] is not None else "-",
+                                 f"{record['peak_memory_gib']:.1f}" if "peak_memory_gib" in record else "-",
+                                 record["loss"])
                 progress.update(task, completed=self.state.step,
                                 description=f"{self.state.stage} loss {record['loss']:.3f}")
-                if self.state.step % self.config.checkpoint_every == 0:
+                if self.config.save_checkpoints and self.state.step % self.config.checkpoint_every == 0:
                     self.save_checkpoint()
-        latest = self.run.latest_checkpoint()
-        if latest is None or self.run.trainer_state(latest)["trainer"]["step"] != self.state.step:
-            self.save_checkpoint()
+        if self.config.save_checkpoints:
+            latest = self.run.latest_checkpoint()
+            if latest is None or self.run.trainer_state(latest)["trainer"]["step"] != self.state.step:
+                self.save_checkpoint()
         self.metrics.close()
         return self.state
 
     def _advance_by_itself(self) -> bool:
-        """At a spent stage budget: with ``auto_advance``, checkpoint and move to the next stage."""
+        """At a spent stage budget: with ``auto_advance``, checkpoint (unless the run writes none) and move to the
+        next stage."""
         index = self.config.stage_index(self.state.stage)
         if not self.config.auto_advance or index + 1 >= len(self.config.stages):
             return False
-        self.save_checkpoint()
+        if self.config.save_checkpoints:
+            self.save_checkpoint()
         if self.rank == 0:
-            advance(self.run, self.config, self.world_size)
+            advance(self.run, self.config, self.world_size,
+                    state=None if self.config.save_checkpoints else self.state.to_dict())
         self._barrier()
         self.state = TrainerState(step=self.state.step, stage=self.run.current_stage(self.config), tokens=self.state.tokens)
         self._enter_stage(self.state.stage, None)

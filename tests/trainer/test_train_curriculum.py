@@ -143,3 +143,35 @@ def test_config_errors_name_the_field(short_shards: Path) -> None:
         StageRun(name="b", seq_len=0, token_budget=1)
     with pytest.raises(ValueError, match="unknown config key"):
         TrainConfig.from_dict({"data": "x", "tokens_per_step": 1, "stages": [], "colour": 1})
+
+
+def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_shards: Path, tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(_config_yaml(short_shards, 2, 1, save_checkpoints=False))
+    run = tmp_path / "run"
+    proc = _train(run, config)
+    assert proc.wait(timeout=900) == 0, proc.stderr.read().decode()[-3000:]
+    metrics = _metrics(run)
+    assert [(m["step"], m["stage"], m["micro_batch"], m["grad_accum"]) for m in metrics] == [
+        (1, "s512", 1, 2), (2, "s512", 1, 2), (3, "s1k", 1, 1)]
+    assert all(m["process_seconds"] >= m["step_seconds"] > 0 for m in metrics)
+    assert RunDir(run).complete_checkpoints() == []  # none at the transition, periodically, or at the end
+    transitions = [json.loads(line) for line in (run / "transitions.jsonl").read_text().splitlines()]
+    assert [(t["from"], t["to"], t["step"], t["checkpoint"], t["tokens_in_previous_stage"]) for t in transitions] \
+        == [("s512", "s1k", 2, None, 2048)]
+    again = _train(run, None)
+    assert again.wait(timeout=300) != 0
+    assert "cannot resume" in again.stderr.read().decode()
+    with pytest.raises(SystemExit, match="no complete checkpoint"):
+        main(["stage", "advance", "--run", str(run)])
+
+
+@pytest.mark.parametrize("name", ["gpu_small.yaml", "cpu_tiny.yaml"])
+def test_device_recipe_plans_every_stage(name: str) -> None:
+    from trainer.config import load_train_config
+
+    config = load_train_config(Path(__file__).parents[2] / "devrun" / name)
+    plans = [plan_stage(config, stage, world_size=1) for stage in config.stages]
+    assert [(p.stage, p.micro_batch, p.grad_accum) for p in plans] == [
+        ("8k", 16, 8), ("64k", 2, 8), ("256k", 1, 4), ("1m", 1, 1)]
+    assert all(p.steps >= 1 for p in plans) and not config.save_checkpoints and config.activation_checkpointing

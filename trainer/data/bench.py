@@ -15,11 +15,23 @@ workers as shards its time follows the largest shard, while the loader splits sa
 per-sample work alone. The shards are read once first so both sides find them in the page cache; sides alternate
 (which one goes first swaps every round), and the median round is reported. Tokens are ``samples × seq_len``
 (padding included: what the trainer consumes).
+
+    python -m trainer.data.bench PACK_OUTPUT --against-model small --stages 8k --workers 8 --micro-batch 16
+                                 [--warmup-steps 1] [--model-steps 3] [--min-samples 512] [--repeat 3]
+
+``--against-model PRESET`` compares the loader with the trainer's consumption instead, in one process: per stage, the
+loader's tokens/s as above (whole epochs, median of ``--repeat`` rounds), then ``LongweaveModel(preset(PRESET))``
+(bf16 on CUDA, fp32 on the CPU; the preset's own activation checkpointing) timed over forward + backward of
+``--model-steps`` batches drawn from the same loader after ``--warmup-steps`` untimed ones (the first step compiles),
+each timed from its inputs' host-to-device copy to a device synchronisation, no optimizer step. It prints both rates,
+their ratio (the loader keeps up with the trainer while it is ≥ 1; the issue asks ≥ 10 for ``small`` at 8K), MFU and
+peak memory, and one JSON line of the same figures.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import statistics
 import time
@@ -70,6 +82,86 @@ def loader_epochs(manifest: Path, epochs: int, workers: int, micro_batch: int) -
     return _until_last(b["input_ids"].shape[0] for b in loader.batches(epochs * loader.batches_per_epoch))
 
 
+def median_loader_rate(manifest: Path, epochs: int, workers: int, micro_batch: int, repeat: int) -> tuple[float, int]:
+    """Samples/s of the loader over ``epochs`` epochs: the median of ``repeat`` rounds, and samples per round."""
+    runs = [loader_epochs(manifest, epochs, workers, micro_batch) for _ in range(repeat)]
+    return statistics.median(n / s for s, n in runs), runs[0][1]
+
+
+def model_consumption(model: Any, manifest: Path, workers: int, micro_batch: int, warmup: int,
+                      steps: int) -> dict[str, Any]:
+    """Forward + backward of ``model`` on ``warmup + steps`` loader batches; figures of the timed ``steps``."""
+    import torch
+
+    from trainer.model.flops import mfu, training_flops
+    from trainer.train import batch_shapes, model_inputs
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    cuda = device.type == "cuda"
+    loader = build_loader(manifest, 0, 1, workers, 0, micro_batch)
+    times, flops = [], []
+    for index, batch in enumerate(loader.batches(warmup + steps)):
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = model(**model_inputs(batch, device, dtype))
+        out.loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        log.info("model step %d%s: %.2f s, loss %.4f", index + 1, " (warm-up)" if index < warmup else "", seconds,
+                 float(out.loss.detach()))
+        if index >= warmup:
+            times.append(seconds)
+            flops.append(training_flops(model.config, *batch_shapes(batch), n_loss_tokens=out.n_loss_tokens).total)
+    step = statistics.median(times)
+    return {"model_step_s": step, "model_steps_s": times,
+            "model_tokens_per_s": micro_batch * loader.seq_len / step,
+            "mfu": mfu(statistics.median(flops), step) if cuda else None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+
+def against_model(args: argparse.Namespace) -> None:
+    """Loader tokens/s against the forward + backward consumption of ``args.against_model``, stage by stage."""
+    import torch
+
+    from trainer.model import LongweaveModel, preset
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    with device:
+        model = LongweaveModel(preset(args.against_model)).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    log.info("built %s on %s in %.1f s", args.against_model, device, time.perf_counter() - started)
+    table = Table(title=f"streaming loader ({args.workers} workers) vs {args.against_model} forward + backward on "
+                        f"{device.type}, micro-batch {args.micro_batch}")
+    for column in ("stage", "loader samples", "loader tokens/s", "model step s", "model tokens/s", "loader / model",
+                   "MFU", "peak GiB"):
+        table.add_column(column, justify="right")
+    for stage in args.stages.split(","):
+        manifest = args.path / stage / MANIFEST_NAME
+        source = ManifestSource(manifest)
+        warm_page_cache([Path(s.path) for s in source.shards])
+        rate, samples = median_loader_rate(manifest, -(-args.min_samples // source.total_samples), args.workers,
+                                           args.micro_batch, args.repeat)
+        result = {"stage": stage, "seq_len": source.seq_len, "micro_batch": args.micro_batch, "workers": args.workers,
+                  "model": args.against_model, "device": device.type, "loader_samples": samples,
+                  "loader_tokens_per_s": rate * source.seq_len}
+        log.info("%s loader: %.2f samples/s, %.0f tokens/s", stage, rate, result["loader_tokens_per_s"])
+        result.update(model_consumption(model, manifest, args.workers, args.micro_batch, args.warmup_steps,
+                                        args.model_steps))
+        result["loader_over_model"] = result["loader_tokens_per_s"] / result["model_tokens_per_s"]
+        table.add_row(stage, f"{samples}", f"{result['loader_tokens_per_s']:,.0f}", f"{result['model_step_s']:.2f}",
+                      f"{result['model_tokens_per_s']:,.0f}", f"{result['loader_over_model']:.1f}",
+                      "-" if result["mfu"] is None else f"{result['mfu']:.1%}",
+                      "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f}")
+        print(json.dumps(result), flush=True)
+    Console(width=200).print(table)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a longweave pack output folder (holding <stage>/manifest.json)")
@@ -78,8 +170,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=1, help="loader micro-batch (samples per batch)")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds of each side per stage (median reported)")
     parser.add_argument("--min-samples", type=int, default=16, help="read whole epochs until at least this many")
+    parser.add_argument("--against-model", default=None, metavar="PRESET",
+                        help="compare the loader with this model preset's forward + backward instead of webdataset")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="--against-model: untimed model steps first")
+    parser.add_argument("--model-steps", type=int, default=3, help="--against-model: timed model steps (median)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.against_model is not None:
+        against_model(args)
+        return
     special = load_tokenizer().special
     table = Table(title=f"streaming loader vs plain webdataset: {args.workers} workers, micro-batch "
                         f"{args.micro_batch}, median of {args.repeat}")
