@@ -28,10 +28,14 @@ def _compiled_flex_attention():  # noqa: ANN202 - the compiled callable's type i
     return torch.compile(flex_attention)
 
 
-def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Segment index int32 ``[total]`` of every position, from ``cu_seqlens`` int ``[S+1]`` (0 … total)."""
+def _check_shape(cu_seqlens: torch.Tensor) -> None:
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Segment index int32 ``[total]`` of every position, from ``cu_seqlens`` int ``[S+1]`` (0 … total)."""
+    _check_shape(cu_seqlens)
     positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return (torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)).to(torch.int32)
 
@@ -51,15 +55,21 @@ class DocumentMask:
         return int(self.doc_ids.shape[0])
 
 
-def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, use_flex: bool | None = None) -> DocumentMask:
-    """Mask for a packed sequence of ``total`` positions split by ``cu_seqlens`` (``cu_seqlens[-1] == total``).
+def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, use_flex: bool | None = None,
+                  device: torch.device | str | None = None) -> DocumentMask:
+    """Mask on ``device`` (default: cu_seqlens') for a packed sequence of ``total`` positions split by ``cu_seqlens``
+    (``cu_seqlens[-1] == total``).
 
-    ``use_flex`` defaults to "on CUDA"; the block mask is built with a compiled kernel so 1M-token masks stay cheap.
+    ``cu_seqlens`` is checked (and the CPU path's bounds read) on the host: pass it on the CPU and nothing waits for
+    the GPU; a CUDA one costs one sync. ``use_flex`` defaults to "on CUDA"; the block mask is built with a compiled
+    kernel so 1M-token masks stay cheap.
     """
-    if int(cu_seqlens[-1]) != total or int(cu_seqlens[0]) != 0:
-        raise ValueError(f"cu_seqlens: must run from 0 to the sequence length {total}, got "
-                         f"{int(cu_seqlens[0])} … {int(cu_seqlens[-1])}")
-    doc = document_ids(cu_seqlens, total)
+    device = torch.device(cu_seqlens.device if device is None else device)
+    _check_shape(cu_seqlens)
+    cuts = cu_seqlens.tolist()
+    if cuts[-1] != total or cuts[0] != 0:
+        raise ValueError(f"cu_seqlens: must run from 0 to the sequence length {total}, got {cuts[0]} … {cuts[-1]}")
+    doc = document_ids(cu_seqlens.to(device, non_blocking=True), total)
     if use_flex is None:
         use_flex = doc.is_cuda
     if use_flex:
@@ -71,7 +81,6 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, use_fle
                 return doc[q_idx] == doc[kv_idx]
         block = create_block_mask(mask_mod, None, None, total, total, device=doc.device, _compile=True)
         return DocumentMask(doc_ids=doc, causal=causal, block_mask=block, bounds=())
-    cuts = cu_seqlens.tolist()
     bounds = tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a)
     return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, bounds=bounds)
 

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vision.attention import DocumentMask, document_attention, document_mask
 from vision.config import VisionEncoderConfig
+from vision.fusion import cuda_compiled
 
 __all__ = ["VisionEncoder", "patch_positions", "rope_2d"]
 
@@ -43,12 +44,18 @@ def rope_2d(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch
     return angles.cos(), angles.sin()
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[N, H, D]``; cos/sin ``[N, D]``; computed in float32, returned in x's dtype."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+@cuda_compiled
+def _apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k ``[N, H, D]`` (any strides) by cos/sin ``[N, D]``; computed in float32, returned in their
+    dtype (one fused kernel on CUDA)."""
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+    return rotate(q), rotate(k)
 
 
 class VisionAttention(nn.Module):
@@ -64,7 +71,7 @@ class VisionAttention(nn.Module):
         """x ``[N, d]`` -> ``[N, d]``."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)
-        q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        q, k = _apply_rope(q, k, *rope)
         out = document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), mask)
         return self.proj(out.squeeze(0).transpose(0, 1).reshape(n, -1))
 
@@ -114,20 +121,24 @@ class VisionEncoder(nn.Module):
         self.merger = PatchMerger(config, out_dim)
 
     def forward(self, pixel_values: torch.Tensor, image_grid: torch.Tensor) -> torch.Tensor:
+        """``image_grid`` is read on the host: pass it on the CPU and the tower waits for nothing on the GPU."""
         cfg = self.config
         group = cfg.merge * cfg.merge
         if pixel_values.ndim != 2 or pixel_values.shape[1] != cfg.patch_dim:
             raise ValueError(f"pixel_values: expected [N_patches, {cfg.patch_dim}], got {tuple(pixel_values.shape)}")
-        if image_grid.ndim != 2 or image_grid.shape[1] != 2 or bool((image_grid < 1).any()):
-            raise ValueError(f"image_grid: expected positive [n_images, 2], got {image_grid.tolist()}")
-        per_image = image_grid[:, 0] * image_grid[:, 1] * group
+        grid = image_grid.cpu()
+        if grid.ndim != 2 or grid.shape[1] != 2 or bool((grid < 1).any()):
+            raise ValueError(f"image_grid: expected positive [n_images, 2], got {grid.tolist()}")
+        per_image = grid[:, 0] * grid[:, 1] * group
         n_patches = int(per_image.sum())
         if n_patches != pixel_values.shape[0]:
-            raise ValueError(f"pixel_values: image_grid {image_grid.tolist()} needs {n_patches} patches, "
+            raise ValueError(f"pixel_values: image_grid {grid.tolist()} needs {n_patches} patches, "
                              f"got {pixel_values.shape[0]}")
+        device = pixel_values.device
         cu_seqlens = F.pad(torch.cumsum(per_image, 0), (1, 0)).to(torch.int32)
-        mask = document_mask(cu_seqlens, n_patches, causal=False)
-        rope = rope_2d(patch_positions(image_grid, cfg.merge), cfg.head_dim, cfg.rope_theta)
+        mask = document_mask(cu_seqlens, n_patches, causal=False, device=device)
+        positions = patch_positions(grid, cfg.merge).to(device, non_blocking=True)
+        rope = rope_2d(positions, cfg.head_dim, cfg.rope_theta)
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
         for block in self.blocks:
             if cfg.checkpoint_layers and torch.is_grad_enabled():

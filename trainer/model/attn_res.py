@@ -18,7 +18,9 @@ import dataclasses
 import torch
 from torch import nn
 
-__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes"]
+from vision.fusion import cuda_compiled
+
+__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms", "mix_sources"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,6 +32,30 @@ class ResidualState:
     blocks: tuple[torch.Tensor, ...]
     inv_rms: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
+
+
+@cuda_compiled
+def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1/rms float32 ``[T]`` of x ``[T, d]`` without a float32 copy of ``x`` (the mean accumulates in float32)."""
+    return torch.rsqrt((x * x).mean(-1, dtype=torch.float32) + eps)
+
+
+@cuda_compiled
+def mix_sources(sources: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor) -> torch.Tensor:
+    """``Σ_i softmax_i(w·RMSNorm(src_i)) src_i`` of sources ``[T, d]`` with their ``inv_rms`` float32 ``[T]``, for the
+    pseudo-query w ``[d]``; in the sources' dtype.
+
+    The sum accumulates in float32, yet (uncompiled) autograd keeps only the sources themselves (alive anyway) and the
+    weights ``[T, n_src]``: at 1M tokens a float32 copy of every source would cost 4 GiB each, per sublayer. On CUDA
+    the whole mixture (logits, softmax, weighted sum) compiles into one kernel forward and a few backward, instead of
+    about four launches per source each way."""
+    w = query.to(sources[0].dtype)
+    logits = torch.stack([(src @ w).float() * r for src, r in zip(sources, inv_rms)], dim=-1)  # [T, n_src]
+    alpha = torch.softmax(logits, dim=-1)
+    mixed = alpha[:, :1] * sources[0]  # float32
+    for i, src in enumerate(sources[1:], 1):
+        mixed = torch.addcmul(mixed, alpha[:, i:i + 1], src)
+    return mixed.to(sources[0].dtype)
 
 
 class StandardResiduals(nn.Module):
@@ -63,26 +89,14 @@ class BlockAttnRes(nn.Module):
         self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
 
     def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
-        """1/rms float32 ``[T]`` without a float32 copy of ``x`` (the mean accumulates in float32)."""
-        return torch.rsqrt((x * x).mean(-1, dtype=torch.float32) + self.eps)
+        return inv_rms(x, self.eps)
 
     def _mix(self, state: ResidualState, query: torch.Tensor) -> torch.Tensor:
-        """``Σ_i softmax_i(w·RMSNorm(src_i)) src_i`` over the finished blocks and the open one.
-
-        The sum accumulates in float32, yet autograd keeps only the sources themselves (alive anyway) and the
-        weights ``[T, n_src]``: at 1M tokens a float32 copy of every source would cost 4 GiB each, per sublayer."""
-        sources = list(state.blocks)
-        inv_rms = list(state.inv_rms)
+        sources, rms = list(state.blocks), list(state.inv_rms)
         if state.partial is not None:
             sources.append(state.partial)
-            inv_rms.append(self._inv_rms(state.partial))
-        w = query.to(sources[0].dtype)
-        logits = torch.stack([(src @ w).float() * r for src, r in zip(sources, inv_rms)], dim=-1)  # [T, n_src]
-        alpha = torch.softmax(logits, dim=-1)
-        mixed = torch.zeros(sources[0].shape, dtype=torch.float32, device=sources[0].device)
-        for i, src in enumerate(sources):
-            mixed = torch.addcmul(mixed, alpha[:, i:i + 1], src)
-        return mixed.to(sources[0].dtype)
+            rms.append(self._inv_rms(state.partial))
+        return mix_sources(sources, rms, query)
 
     def begin(self, embedding: torch.Tensor) -> ResidualState:
         return ResidualState(blocks=(embedding,), inv_rms=(self._inv_rms(embedding),), partial=None)

@@ -9,6 +9,7 @@ and its output, ``W_o(sigmoid(W_g x) ⊙ RMSNorm_head(o))``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,23 +17,42 @@ from torch import nn
 
 from kernels.kda import chunk_kda
 from trainer.model.config import KDAConfig
+from trainer.model.fused import gated_rms_norm, joint_linear
 from trainer.model.sequence import PackedSequence
+from vision.fusion import cuda_compiled
 
-__all__ = ["ShortConv", "KDALayer"]
+__all__ = ["short_conv_silu", "ShortConv", "KDALayer"]
 
 # Initial per-channel decay rates |g| = -g_min·sigmoid(dt_bias) drawn log-uniformly from this range: memories from a
 # few to a thousand tokens long. Starting at sigmoid(0) would give |g| = 2.5, a state that forgets within one token.
 _DECAY_INIT = (1e-3, 0.5)
 
 
-class ShortConv(nn.Module):
-    """Causal depthwise convolution + SiLU that never reaches into the previous document.
+@cuda_compiled
+def short_conv_silu(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                    positions: torch.Tensor) -> list[torch.Tensor]:
+    """``silu(Σ_j weight[:, j] · x_{t−j})`` for each x ``[T, C]`` (any strides) with its weight ``[C, width]``, where
+    ``x_{t−j}`` counts as zero once it lies before token t's document (``positions[t] < j``): each token sees exactly
+    what it would see in its document alone (the zero is selected, not a subtraction, so no rounding residue of the
+    previous document). Float32 math; outputs contiguous ``[T, C]`` in x's dtype.
 
-    ``weight[:, j]`` multiplies ``x_{t-j}``. One depthwise ``conv1d`` runs over the whole packed sequence (autograd
-    keeps only its input); then the outputs of the few tokens whose window starts before their document — the first
-    ``width − 1`` of each — are replaced by their in-document sums, so they see zeros exactly as if the document were
-    alone (replaced, not corrected by subtraction, which would leave rounding residue of the previous document).
-    """
+    A shift-and-add of the ``width`` taps: on CUDA it compiles to one fused kernel each way (no depthwise
+    convolution, no gather of the document starts, no host sync)."""
+    outs = []
+    for x, weight in zip(xs, weights):
+        T, width = x.shape[0], weight.shape[1]
+        xf, w = x.float(), weight.float()
+        acc = xf * w[:, 0]
+        for j in range(1, width):
+            shifted = F.pad(xf, (0, 0, j, 0))[:T]  # x_{t-j}
+            acc = acc + torch.where((positions >= j)[:, None], shifted, 0.0) * w[:, j]
+        outs.append(F.silu(acc).to(x.dtype).contiguous())
+    return outs
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution + SiLU that never reaches into the previous document (``short_conv_silu``);
+    ``weight[:, j]`` multiplies ``x_{t-j}``."""
 
     def __init__(self, channels: int, width: int) -> None:
         super().__init__()
@@ -42,15 +62,7 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x ``[T, C]``, positions int64 ``[T]`` (offset inside the document) -> ``[T, C]``."""
-        weight = self.weight.to(x.dtype)
-        taps = weight.flip(1).unsqueeze(1)  # conv1d correlates: the last tap meets x_t
-        out = F.conv1d(F.pad(x.t().unsqueeze(0), (self.width - 1, 0)), taps, groups=x.shape[1])[0].t()
-        early = (positions < self.width - 1).nonzero().squeeze(1)
-        inside = x[early] * weight[:, 0]
-        for j in range(1, self.width):
-            tap = torch.where((positions[early] >= j)[:, None], x[(early - j).clamp(min=0)], 0)
-            inside = inside + tap * weight[:, j]
-        return F.silu(out.index_put((early,), inside))
+        return short_conv_silu([x], [self.weight], positions)[0]
 
 
 class KDALayer(nn.Module):
@@ -87,12 +99,14 @@ class KDALayer(nn.Module):
     def forward(self, x: torch.Tensor, seq: PackedSequence) -> torch.Tensor:
         T = x.shape[0]
         H, K = self.config.n_heads, self.config.head_dim
-        q = self.q_conv(self.q_proj(x), seq.positions).view(1, T, H, K)
-        k = self.k_conv(self.k_proj(x), seq.positions).view(1, T, H, K)
-        v = self.v_conv(self.v_proj(x), seq.positions).view(1, T, H, K)
-        beta = torch.sigmoid(self.b_proj(x).float()).view(1, T, H)
-        z = self.g_up(self.g_down(x)).view(1, T, H, K)
-        o, _ = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=seq.cu_seqlens, A_log=self.A_log,
+        # The six projections of x as one GEMM; q, k, v through their three short convolutions in one fused pass.
+        q, k, v, b, z_low, gate = joint_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_down,
+                                               self.gate_proj)
+        q, k, v = (t.view(1, T, H, K) for t in short_conv_silu(
+            [q, k, v], [self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], seq.positions))
+        beta = torch.sigmoid(b.float()).view(1, T, H)
+        z = self.g_up(z_low).view(1, T, H, K)
+        o, _ = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=seq.host_cu_seqlens, A_log=self.A_log,
                          dt_bias=self.dt_bias, g_min=self.config.gate_lower_bound, use_qk_l2norm=True)
-        o = self.o_norm(o.view(T, H, K)) * torch.sigmoid(self.gate_proj(x)).view(T, H, K)
+        o = gated_rms_norm(o.view(T, H, K), self.o_norm.weight, self.o_norm.eps, gate.view(T, H, K))
         return self.o_proj(o.reshape(T, H * K))

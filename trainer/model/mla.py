@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from trainer.model.config import MLAConfig
+from trainer.model.fused import joint_linear, sigmoid_gate
 from trainer.model.sequence import PackedSequence
 from vision.attention import document_attention
 
@@ -37,7 +38,8 @@ class MLALayer(nn.Module):
             raise ValueError("seq.mask: an MLA layer needs the causal document mask (packed_sequence(with_mask=True))")
         T = x.shape[0]
         H, D = self.config.n_heads, self.config.head_dim
-        c = self.kv_norm(self.kv_down(x))
-        q, k, v = (t.view(T, H, D).transpose(0, 1).unsqueeze(0) for t in (self.q_proj(x), self.k_up(c), self.v_up(c)))
+        q, c, gate = joint_linear(x, self.q_proj, self.kv_down, self.gate_proj)  # the three projections of x: one GEMM
+        k, v = joint_linear(self.kv_norm(c), self.k_up, self.v_up)
+        q, k, v = (t.reshape(T, H, D).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         o = document_attention(q, k, v, seq.mask, scale=D ** -0.5).squeeze(0).transpose(0, 1).reshape(T, H * D)
-        return self.o_proj(o * torch.sigmoid(self.gate_proj(x)))
+        return self.o_proj(sigmoid_gate(o, gate))

@@ -23,7 +23,7 @@ from trainer.model.decoder import Decoder
 from trainer.model.sequence import packed_sequence
 from vision.encoder import VisionEncoder
 
-__all__ = ["IGNORE_INDEX", "ModelOutput", "LongweaveModel", "chunked_cross_entropy"]
+__all__ = ["IGNORE_INDEX", "ModelOutput", "LongweaveModel", "chunked_cross_entropy", "true_positions"]
 
 IGNORE_INDEX = -100
 
@@ -58,6 +58,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         return ((grad_hidden * grad_out.to(grad_hidden.dtype)), (grad_weight * grad_out).to(ctx.weight_dtype),
                 None, None)
+
+
+def true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices int64 ``[count]`` of the True entries of a 1-D ``mask`` that holds exactly ``count`` of them, in
+    order: ``mask.nonzero()`` without its host sync (each True entry is scattered to its rank; the others to a spare
+    slot that is dropped)."""
+    slot = torch.where(mask, mask.long().cumsum(0) - 1, count)
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    return out.scatter_(0, slot, torch.arange(mask.numel(), device=mask.device))[:count]
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -96,10 +105,26 @@ class LongweaveModel(nn.Module):
     def _image_positions(self, flat_ids: torch.Tensor, image_grid: torch.Tensor | None, row_len: int,
                          sample_keys: Sequence[str] | None) -> torch.Tensor:
         """Flat positions int64 ``[Σ tokens]`` of the image-pad tokens, after checking that the runs of
-        ``<|image_pad|>`` match the images one for one (count and size), with an error naming the sample."""
+        ``<|image_pad|>`` match the images one for one (count and size), with an error naming the sample.
+
+        ``image_grid`` is on the host. The check runs on the device and costs one host sync, its verdict; the
+        positions come from their known count without ``nonzero``."""
         pad = flat_ids == self.config.image_pad_id
-        positions = pad.nonzero().squeeze(1)
         sizes = [] if image_grid is None else (image_grid[:, 0] * image_grid[:, 1]).tolist()
+        n = len(sizes)
+        starts = pad & ~F.pad(pad[:-1], (1, 0), value=False)
+        run = torch.where(pad, (starts.cumsum(0) - 1).clamp(max=n), n)  # run index of each pad token, n elsewhere
+        lengths = torch.zeros(n + 1, dtype=torch.int64, device=pad.device).scatter_add_(0, run, pad.long())
+        expected = torch.tensor(sizes + [0], dtype=torch.int64).to(pad.device, non_blocking=True)
+        if not bool((starts.sum() == n) & (lengths == expected).all()):
+            self._image_mismatch(pad, image_grid, sizes, row_len, sample_keys)
+        return true_positions(pad, sum(sizes))
+
+    @staticmethod
+    def _image_mismatch(pad: torch.Tensor, image_grid: torch.Tensor | None, sizes: list[int], row_len: int,
+                        sample_keys: Sequence[str] | None) -> None:
+        """Raise the error that names the first image whose ``<|image_pad|>`` run does not match (slow path)."""
+        positions = pad.nonzero().squeeze(1)
         if positions.numel():
             breaks = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
             starts = torch.cat([positions[:1], positions[breaks]]).tolist()
@@ -124,19 +149,20 @@ class LongweaveModel(nn.Module):
                 problem = (f"image {i} of the batch: its <|image_pad|> run at offset {starts[i] % row_len} holds "
                            f"{lengths[i]} tokens but its grid {h}×{w} gives {sizes[i]}")
             raise ValueError(f"{name(row)}: image tokens do not match the images: {problem}")
-        return positions
+        raise AssertionError("the image-token check failed but no run differs")  # the device verdict is wrong
 
     def embed_inputs(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                      image_grid: torch.Tensor | None = None, sample_keys: Sequence[str] | None = None) -> torch.Tensor:
         """Flattened input embeddings ``[B·L, d]``: token embeddings with the vision tower's output written into
-        the ``<|image_pad|>`` positions (in order)."""
+        the ``<|image_pad|>`` positions (in order). ``image_grid`` may be on the host (no sync to read it)."""
         flat = input_ids.reshape(-1)
+        grid = None if image_grid is None else image_grid.cpu()
+        positions = self._image_positions(flat, grid, input_ids.shape[-1], sample_keys)
         x = self.embed(flat)
-        positions = self._image_positions(flat, image_grid, input_ids.shape[-1], sample_keys)
         if positions.numel():
             if pixel_values is None:
                 raise ValueError("pixel_values: the batch has image tokens but no pixel_values")
-            image_embeds = self.vision(pixel_values, image_grid.to(pixel_values.device))
+            image_embeds = self.vision(pixel_values, grid)
             x = x.index_put((positions,), image_embeds.to(x.dtype))
         elif self.training and torch.is_grad_enabled():
             # No image on this rank: still give every vision weight a (zero) gradient, so data-parallel ranks reduce
@@ -147,10 +173,12 @@ class LongweaveModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                       pixel_values: torch.Tensor | None = None, image_grid: torch.Tensor | None = None,
                       sample_keys: Sequence[str] | None = None) -> torch.Tensor:
-        """Final normalised hidden states ``[B, L, d]``."""
+        """Final normalised hidden states ``[B, L, d]``. ``cu_seqlens`` and ``image_grid`` may be on the host: then
+        the step reads nothing back from the GPU but one verdict (the image-token check)."""
         B, L = input_ids.shape
+        # The batch's metadata first, so its host reads wait for nothing queued on the GPU.
+        seq = packed_sequence(cu_seqlens, B * L, with_mask=self.decoder.needs_mask, device=input_ids.device)
         x = self.embed_inputs(input_ids, pixel_values, image_grid, sample_keys)
-        seq = packed_sequence(cu_seqlens.to(x.device), B * L, with_mask=self.decoder.needs_mask)
         return self.norm(self.decoder(x, seq)).view(B, L, -1)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -166,12 +194,14 @@ class LongweaveModel(nn.Module):
         """
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels: must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-        hidden = self.hidden_states(input_ids, cu_seqlens, pixel_values, image_grid, sample_keys)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-        keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+        predicted = targets != IGNORE_INDEX
+        n_loss = int(predicted.sum())  # host reads before any launch of the step, so they wait for nothing
+        grid = None if image_grid is None else image_grid.cpu()
+        hidden = self.hidden_states(input_ids, cu_seqlens, pixel_values, grid, sample_keys)
+        keep = true_positions(predicted, n_loss)
         loss_sum = chunked_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[keep], self.lm_head.weight,
                                          targets[keep], self.config.ce_chunk_tokens)
-        n_loss = int(keep.numel())
-        n_image = int((input_ids == self.config.image_pad_id).sum())
+        n_image = 0 if grid is None else int(grid.prod(1).sum())  # = the pad tokens (checked)
         return ModelOutput(loss=loss_sum / max(n_loss, 1), loss_sum=loss_sum, n_loss_tokens=n_loss,
                            n_tokens=input_ids.numel(), n_image_tokens=n_image)

@@ -1,0 +1,31 @@
+"""Fewer, larger launches for the decoder layers: projections of one input as one GEMM, and the output gates as one
+fused kernel on CUDA (``vision.fusion.cuda_compiled``; the plain PyTorch expression elsewhere)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vision.fusion import cuda_compiled
+
+__all__ = ["joint_linear", "gated_rms_norm", "sigmoid_gate"]
+
+
+def joint_linear(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)`` (bias-free layers) as one GEMM over their concatenated weights: one
+    launch instead of ``len(layers)`` forward, and in backward one input-gradient GEMM instead of ``len(layers)``
+    plus the adds that sum them. The outputs are column slices of one ``[T, Σ out_features]`` buffer."""
+    weight = torch.cat([layer.weight for layer in layers])
+    return F.linear(x, weight).split([layer.out_features for layer in layers], dim=-1)
+
+
+@cuda_compiled
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor) -> torch.Tensor:
+    """``RMSNorm(x) ⊙ sigmoid(gate)`` over the last dim of x ``[..., D]`` (gate of x's shape, any strides)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps) * torch.sigmoid(gate)
+
+
+@cuda_compiled
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x ⊙ sigmoid(gate)``."""
+    return x * torch.sigmoid(gate)
