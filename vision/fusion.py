@@ -15,13 +15,15 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["cuda_compiled", "compile_enabled"]
+__all__ = ["cuda_compiled", "compile_enabled", "FUSED"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Each fused function may see a few argument layouts (AttnRes mixes 1 … n_blocks + 1 sources, grad on and off);
 # dynamo's default of 8 compilations per function would silently fall back to eager past that.
 _RECOMPILE_LIMIT = 64
+
+FUSED: list[Callable[..., Any]] = []  # every function wrapped here (trainer.model.launches counts their calls)
 
 
 def compile_enabled() -> bool:
@@ -55,4 +57,5 @@ def cuda_compiled(fn: F) -> F:
         return compiled(*args, **kwargs)
 
     wrapper.plain = fn  # type: ignore[attr-defined]
+    FUSED.append(fn)
     return wrapper  # type: ignore[return-value]

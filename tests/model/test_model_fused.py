@@ -36,7 +36,8 @@ def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
                                                                t(8, 4, kind=torch.float32)], _positions(lengths, device))),
         ("inv_rms", inv_rms, (t(T, d), 1e-6)),
         ("mix", mix_sources, (sources, rms, t(d, kind=torch.float32))),
-        ("gated_rms_norm", gated_rms_norm, (t(T, 2, 32), t(32, kind=torch.float32), 1e-6, t(T, 64)[:, :64].view(T, 2, 32))),
+        ("gated_rms_norm", gated_rms_norm, (t(T, 2, 32), t(32, kind=torch.float32), 1e-6,
+                                            t(T, 96)[:, 16:80].view(T, 2, 32))),  # a column slice, as in KDALayer
         ("sigmoid_gate", sigmoid_gate, (t(T, d), t(T, 2 * d)[:, d:])),
         ("rope", _apply_rope, (t(T, 2, 32), t(T, 2, 32), t(T, 32, grad=False, kind=torch.float32),
                                t(T, 32, grad=False, kind=torch.float32))),

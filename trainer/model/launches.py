@@ -37,13 +37,24 @@ SYNC_OPS = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_uniqu
 OPAQUE = ("document_attention",)  # one fused kernel on the GPU
 
 
+def _fused_sites() -> set[tuple[str, str]]:
+    """(file, function) of every ``cuda_compiled`` function: one compiled graph each way on CUDA."""
+    import vision.fusion
+
+    return {(fn.__code__.co_filename, fn.__name__) for fn in vision.fusion.FUSED}
+
+
 def _where(frames: list[tuple[str, int, str]]) -> str:
-    """The innermost repository frame: ``path:line (function)``, with kernels/ and the attention call bucketed."""
+    """The innermost repository frame: ``path:line (function)``, with kernels/, the attention call and the functions
+    compiled on CUDA bucketed."""
     inside = [(f, n, fn) for f, n, fn in frames if f.startswith(ROOT) and not f.startswith(VENV)
               and not f.endswith(os.sep + "launches.py")]
+    fused = _fused_sites()
     for f, n, fn in inside:
         if fn in OPAQUE:
             return f"[{fn}]"
+        if (f, fn) in fused:
+            return f"[fused {fn}]"
     if not inside:
         return "[autograd engine]"
     f, n, fn = inside[-1]
@@ -175,13 +186,38 @@ def opaque_kernels() -> Iterator[None]:
         kda.chunk_kda, moe_layer.moe_experts = saved
 
 
-def count_step(model: LongweaveModel, batch: dict) -> LaunchCounter:
+@contextlib.contextmanager
+def count_fused_calls(calls: collections.Counter[str]) -> Iterator[None]:
+    """Count the calls of every ``cuda_compiled`` wrapper, wherever a module imported it."""
+    import vision.fusion
+
+    plain = {id(fn) for fn in vision.fusion.FUSED}
+    patched = []
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith(("trainer.", "vision.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if id(getattr(value, "plain", None)) in plain:
+                def counting(*args, _wrapped=value, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+                    calls[_wrapped.__name__] += 1
+                    return _wrapped(*args, **kwargs)
+                setattr(module, attr, counting)
+                patched.append((module, attr, value))
+    try:
+        yield
+    finally:
+        for module, attr, value in patched:
+            setattr(module, attr, value)
+
+
+def count_step(model: LongweaveModel, batch: dict) -> tuple[LaunchCounter, collections.Counter[str]]:
     """One forward + backward under the counter (anomaly mode records each node's forward frame)."""
-    counter = LaunchCounter()
+    counter, calls = LaunchCounter(), collections.Counter()
     model.zero_grad(set_to_none=True)
-    with torch.autograd.set_detect_anomaly(True, check_nan=False), counter, count_tolist(counter):
+    with (torch.autograd.set_detect_anomaly(True, check_nan=False), counter, count_tolist(counter),
+          count_fused_calls(calls)):
         model(**batch).loss.backward()
-    return counter
+    return counter, calls
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,11 +231,16 @@ def main(argv: list[str] | None = None) -> None:
     batch, _ = synthetic_batch(args.seq_len, torch.Generator().manual_seed(0), device="cpu")
     with opaque_kernels():
         model(**batch).loss.backward()  # warm-up (lazy initialisation)
-        counter = count_step(model, batch)
+        counter, calls = count_step(model, batch)
     total = sum(counter.launches.values())
-    outside = sum(n for (_, site), n in counter.launches.items() if site.startswith("[kernels/")
-                  or site.startswith("[document_attention"))
-    print(f"launching ATen ops per step: {total:,} ({total - outside:,} outside kernels/ and attention)")
+
+    def summed(prefix: str) -> int:
+        return sum(n for (_, site), n in counter.launches.items() if site.startswith(prefix))
+
+    kernels, attention, fused = summed("[kernels/"), summed("[document_attention"), summed("[fused ")
+    print(f"launching ATen ops per step: {total:,}; in kernels/ {kernels:,}, in the attention call {attention:,}, "
+          f"in functions compiled on CUDA {fused:,} ({sum(calls.values())} calls: "
+          f"{', '.join(f'{k} {v}' for k, v in calls.most_common())}); the rest {total - kernels - attention - fused:,}")
     by_site: collections.Counter[str] = collections.Counter()
     for (phase, site), n in counter.launches.items():
         by_site[f"{phase:8s} {site}"] += n
