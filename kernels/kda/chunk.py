@@ -24,7 +24,15 @@ def prepare_chunks(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torc
     seq = torch.repeat_interleave(torch.arange(n_chunks.numel()), n_chunks)
     local = torch.arange(int(offsets[-1])) - offsets[seq]
     chunks = torch.stack([cu[seq] + local * CHUNK, cu[seq + 1]], 1)
-    return offsets.to(device, torch.int32), chunks.to(device, torch.int32)
+    return to_device(offsets, device), to_device(chunks, device)
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int32 copy on device; from the host through pinned memory without blocking, so the launch queue never waits."""
+    x = x.to(torch.int32)
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def _precisions(dtype: torch.dtype) -> tuple[str, str]:
@@ -46,7 +54,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g = (x.reshape(1, B * T, H, -1).contiguous() for x in (q, k, v, g))
         beta = beta.reshape(1, B * T, H).contiguous()
         chunk_offsets, chunks = prepare_chunks(cu_seqlens, q.device)
-        cu_seqlens = cu_seqlens.to(q.device, torch.int32)
+        cu_seqlens = to_device(cu_seqlens, q.device)
         h0 = initial_state.float().contiguous() if initial_state is not None else None
         gate = (A_log, dt_bias, g_min)
         prec = _precisions(q.dtype)
