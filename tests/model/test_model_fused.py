@@ -71,47 +71,24 @@ def test_fused_pieces_trace_whole_and_match_the_plain_functions(case: int) -> No
 @pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _cases("cpu", torch.float32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_pieces_match_the_plain_functions_on_cuda(case: int, dtype: torch.dtype) -> None:
-    """What ``cuda_compiled`` runs (inductor) against the plain function, outputs and every gradient."""
+    """What ``cuda_compiled`` runs (inductor) against the plain function, outputs and every gradient. In bf16 the
+    compiled piece keeps float32 between its ops where the plain one rounds after each, so both are measured against
+    the plain function on the same inputs in float32: the compiled error must not exceed the plain one's (×2)."""
     name, fn, args = _cases("cuda", dtype)[case]
-    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    for got, want in zip(_outputs_and_grads(fn, args), _outputs_and_grads(fn.plain, args), strict=True):
-        torch.testing.assert_close(got.float(), want.float(), **tol)
+    got_all, want_all = _outputs_and_grads(fn, args), _outputs_and_grads(fn.plain, args)
+    if dtype == torch.float32:
+        for got, want in zip(got_all, want_all, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        return
 
+    def upcast(x):  # noqa: ANN001, ANN202
+        if isinstance(x, list):
+            return [upcast(a) for a in x]
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().float().requires_grad_(x.requires_grad)
+        return x
 
-def _reference_conv(x: torch.Tensor, weight: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Each document alone through a causal depthwise ``F.conv1d`` + SiLU (the layer's previous implementation)."""
-    taps = weight.flip(1).unsqueeze(1)
-    outs = [F.silu(F.conv1d(F.pad(part.t()[None], (weight.shape[1] - 1, 0)), taps, groups=x.shape[1])[0].t())
-            for part in x.split(lengths)]
-    return torch.cat(outs)
-
-
-def test_short_conv_is_a_causal_depthwise_conv1d_per_document() -> None:
-    lengths = [1, 3, 4, 50, 2, 17]
-    conv = ShortConv(24, 4)
-    x = torch.randn(sum(lengths), 24, requires_grad=True)
-    got = conv(x, _positions(lengths))
-    want = _reference_conv(x, conv.weight, lengths)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    grad = torch.randn_like(got)
-    for a, b in zip(torch.autograd.grad(got, (x, conv.weight), grad), torch.autograd.grad(want, (x, conv.weight), grad)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_joint_linear_equals_the_separate_projections() -> None:
-    layers = [torch.nn.Linear(16, n, bias=False) for n in (8, 3, 12)]
-    x = torch.randn(10, 16, requires_grad=True)
-    joint = joint_linear(x, *layers)
-    separate = [layer(x) for layer in layers]
-    grads = [torch.randn_like(s) for s in separate]
-    params = [x] + [layer.weight for layer in layers]
-    for got, want in zip(joint, separate, strict=True):
-        torch.testing.assert_close(got, want)
-    for a, b in zip(torch.autograd.grad(joint, params, grads), torch.autograd.grad(separate, params, grads)):
-        torch.testing.assert_close(a, b)
-
-
-@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
-def test_true_positions_is_nonzero_without_the_sync(p: float) -> None:
-    mask = torch.rand(257, generator=torch.Generator().manual_seed(1)) < p
-    assert torch.equal(true_positions(mask, int(mask.sum())), mask.nonzero().squeeze(1))
+    refs = _outputs_and_grads(fn.plain, tuple(upcast(a) for a in args))
+    for got, want, ref in zip(got_all, want_all, refs, strict=True):
+        err_got, err_want = (got.float() - ref).norm(), (want.float() - ref).norm()
+        assert err_got <= 2 * err_want + 1e-3 * ref.norm(), (name, err_got.item(), err_want.item())
