@@ -47,6 +47,7 @@ def make_inputs(T: int, gate: bool) -> dict[str, torch.Tensor]:
         x["g"] = -5 * torch.sigmoid(torch.randn(1, T, H, D, device="cuda"))
     for t in x.values():
         t.requires_grad_()
+    x["A_log"] = torch.zeros(H, device="cuda")  # the in-kernel gate's parameter (no gradient measured)
     return x
 
 
@@ -72,7 +73,6 @@ def implementations() -> dict[str, Callable]:
 def measure(name: str, fn: Callable, T: int, cu: torch.Tensor | None) -> dict:
     """Median forward and forward+backward times, rates and peak memory of one implementation at one shape."""
     x = make_inputs(T, gate=name.endswith("-gate"))
-    x["A_log"] = torch.zeros(H, device="cuda")
     inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
     row = dict(impl=name, T=T, docs=1 if cu is None else cu.numel() - 1)
     try:
@@ -111,7 +111,6 @@ def profile_kernels(impls: dict[str, Callable], T: int, repeat: int = 3) -> None
 
     for name, fn in impls.items():
         x = make_inputs(T, gate=name.endswith("-gate"))
-        x["A_log"] = torch.zeros(H, device="cuda")
         do = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
         for _ in range(2):
             fn(x, None)[0].backward(do)

@@ -15,10 +15,15 @@ ROWS = 32  # rows per program: 32 x 128 elements keeps every load wide and the g
 
 
 @triton.jit
-def l2norm_fwd_kernel(x, y, r, n_rows, eps, D: tl.constexpr, BR: tl.constexpr):
+def row_tile(n_rows, D: tl.constexpr, BR: tl.constexpr):
+    """This program's BR rows: their indices, which exist, and the offsets of their [BR, D] elements."""
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m_r = o_r < n_rows
-    p = o_r[:, None] * D + tl.arange(0, D)[None, :]
+    return o_r, o_r < n_rows, o_r[:, None] * D + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def l2norm_fwd_kernel(x, y, r, n_rows, eps, D: tl.constexpr, BR: tl.constexpr):
+    o_r, m_r, p = row_tile(n_rows, D, BR)
     b_x = tl.load(x + p, mask=m_r[:, None], other=0.).to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) + eps)
     tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m_r[:, None])
@@ -27,9 +32,7 @@ def l2norm_fwd_kernel(x, y, r, n_rows, eps, D: tl.constexpr, BR: tl.constexpr):
 
 @triton.jit
 def l2norm_bwd_kernel(y, r, dy, dx, n_rows, D: tl.constexpr, BR: tl.constexpr):
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m_r = o_r < n_rows
-    p = o_r[:, None] * D + tl.arange(0, D)[None, :]
+    o_r, m_r, p = row_tile(n_rows, D, BR)
     b_y = tl.load(y + p, mask=m_r[:, None], other=0.).to(tl.float32)
     b_dy = tl.load(dy + p, mask=m_r[:, None], other=0.).to(tl.float32)
     b_r = tl.load(r + o_r, mask=m_r, other=0.)

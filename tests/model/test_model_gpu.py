@@ -3,7 +3,6 @@ and vision, grouped-GEMM MoE, activation checkpointing). Prints tokens/s, peak m
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 from trainer.model import LongweaveModel, preset
 from trainer.model.flops import mfu, training_flops
 from trainer.model.synthetic import IMAGE_GRIDS, synthetic_batch
+from trainer.model.timing import timed_forward_backward
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +29,8 @@ def test_small_forward_backward_bf16(model: LongweaveModel, seq_len: int) -> Non
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(3):  # the first step compiles (Triton, FlexAttention); the others are timed
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model(**batch)
-        out.loss.backward()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        seconds, out = timed_forward_backward(model, lambda: batch)
+        times.append(seconds)
     loss = out.loss.item()
     assert math.isfinite(loss) and abs(loss - math.log(32768)) < 2.0, loss
     for name in ("vision.patch_embed.weight", "decoder.layers.0.mixer.q_proj.weight",

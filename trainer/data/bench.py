@@ -94,6 +94,7 @@ def model_consumption(model: Any, manifest: Path, workers: int, micro_batch: int
     import torch
 
     from trainer.model.flops import mfu, training_flops
+    from trainer.model.timing import timed_forward_backward
     from trainer.train import batch_shapes, model_inputs
 
     device = next(model.parameters()).device
@@ -102,16 +103,9 @@ def model_consumption(model: Any, manifest: Path, workers: int, micro_batch: int
     loader = build_loader(manifest, 0, 1, workers, 0, micro_batch)
     times, flops = [], []
     for index, batch in enumerate(loader.batches(warmup + steps)):
-        model.zero_grad(set_to_none=True)
         if cuda:
-            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        out = model(**model_inputs(batch, device, dtype))
-        out.loss.backward()
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        seconds, out = timed_forward_backward(model, lambda: model_inputs(batch, device, dtype))
         log.info("model step %d%s: %.2f s, loss %.4f", index + 1, " (warm-up)" if index < warmup else "", seconds,
                  float(out.loss.detach()))
         if index >= warmup:

@@ -8,7 +8,6 @@ synchronisations (each one stalls the launch queue), so the next optimisation ta
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -16,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from trainer.model import LongweaveModel, preset
 from trainer.model.flops import mfu, training_flops
 from trainer.model.synthetic import IMAGE_GRIDS, synthetic_batch
+from trainer.model.timing import timed_forward_backward
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",
             "aten::_local_scalar_dense", "aten::nonzero")
@@ -35,13 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
 
     def step() -> float:
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model(**batch)
-        out.loss.backward()
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return timed_forward_backward(model, lambda: batch)[0]
 
     warm = [step() for _ in range(2)]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
