@@ -36,8 +36,9 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _precisions(dtype: torch.dtype) -> tuple[str, str]:
-    """tl.dot precision for float32 operands: exact in float32 runs; tf32 (tf32x3 for the UT inverse) otherwise."""
-    return ("ieee", "ieee") if dtype == torch.float32 else ("tf32", "tf32x3")
+    """tl.dot precision for float32 operands (Gram and products, UT inverse): exact in float32 runs, tf32 otherwise
+    (the inverse is saved in bf16, whose rounding is coarser than tf32's)."""
+    return ("ieee", "ieee") if dtype == torch.float32 else ("tf32", "tf32")
 
 
 class ChunkKDAFunction(torch.autograd.Function):

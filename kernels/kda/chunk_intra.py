@@ -1,10 +1,14 @@
-"""Intra-chunk forward: gated Gram matrices A_qk, A_kk with sub-chunk anchors, the UT inverse, and w, u.
+"""Intra-chunk forward: gated Gram matrices A_qk, A_kk on 16-token sub-chunk blocks, the UT inverse, and w, u.
 
-Within a chunk of BT = 64 tokens, row sub-chunk a (BC = 16 tokens) is rescaled around c_a, the cumulative
-log-decay just before it (never a later token, so the chunk stays exactly causal):
-    A[i, j] = sum_c (x_ic exp(G_ic - c_a)) (k_jc exp(c_a - G_jc)).
-With g >= -5 both exponents lie within 16 * 5 = 80 of zero, so every block, diagonal ones included, is one
-dense `tl.dot`.
+A chunk of BT = 64 tokens is four sub-chunks of BC = 16. The rows of sub-chunk a are rescaled around c_a, the
+cumulative log-decay just before it (never a later token, so the chunk stays exactly causal):
+    A[i, j] = sum_c (x_ic exp(G_ic - c_a)) (k_jc exp(c_a - G_jc)),   i in sub-chunk a, j <= its last token.
+With g >= -5 the row exponent lies in [-80, 0] and the column one is <= 80 (it only underflows where the product
+does), so each row sub-chunk is one [16, BK] x [BK, 64] `tl.dot` per K slice, diagonal block included.
+
+Three phases in one program, so that no phase's tiles are alive in another (a few warps, no spills): the Gram
+rows go to A_qk and, as L = diag(beta) strict_tril(A_kk), to a float32 scratch; after a barrier L comes back as one
+[64, 64] tile for the UT inverse; w and u follow from the inverse still in registers.
 """
 from __future__ import annotations
 
@@ -13,6 +17,15 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import load_log_decay
+from kernels.kda.tuning import configs
+
+# (BK, num_warps): BK is the K (and V) slice of the four sub-chunk tiles held at once.
+INTRA_SPACE = [({"BK": 32}, 4), ({"BK": 64}, 4), ({"BK": 32}, 8), ({"BK": 64}, 8)]
+
+
+def fit_slice(space: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
+    """Drop slices wider than K or V (early_config_prune hook)."""
+    return [c for c in space if c.kwargs["BK"] <= min(kwargs["K"], kwargs["V"])] or space[:1]
 
 
 @triton.jit
@@ -25,6 +38,14 @@ def anchor_exponents(b_g, b_G, a: tl.constexpr, BT: tl.constexpr, BC: tl.constex
     e_row = tl.exp(tl.where(m_row[:, None], b_G - b_c[None, :], float("-inf")))
     e_col = tl.exp(tl.where(m_col[:, None], b_c[None, :] - b_G, float("-inf")))
     return e_row, e_col
+
+
+@triton.jit
+def load_rows(x, row0, te, i_h, o_x, H: tl.constexpr, X: tl.constexpr, R: tl.constexpr):
+    """Rows row0 .. row0 + R of a [T, H, X] tensor at columns o_x in float32, zero past the document end."""
+    rows = row0 + tl.arange(0, R)
+    m = rows < te
+    return tl.load(x + rows[:, None] * (H * X) + i_h * X + o_x[None, :], mask=m[:, None], other=0.).to(tl.float32)
 
 
 @triton.jit
@@ -55,55 +76,72 @@ def solve_unit_lower(b_L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr
 
 
 @triton.jit
+def gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, t0, te, i_h, a: tl.constexpr,
+              H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+              USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr):
+    """Rows of sub-chunk a of A_qk (stored, lower incl.) and of L = diag(beta) strict_tril(A_kk) (to the scratch)."""
+    o_t = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    r0 = t0 + a * BC
+    b_Aq = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Ak = tl.zeros([BC, BT], dtype=tl.float32)
+    for i_k in tl.static_range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = load_rows(k, t0, te, i_h, o_k, H, K, BT)
+        b_G = tl.cumsum(load_log_decay(g + (t0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], t0 + o_t < te,
+                                       A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
+        b_c = tl.sum(tl.where((o_t == a * BC - 1)[:, None], b_G, 0.), 0)   # c_a (0 for the first sub-chunk)
+        b_kc = b_k * tl.exp(tl.where((o_t < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf")))
+        b_Lr = tl.cumsum(load_log_decay(g + (r0 + o_c)[:, None] * (H * K) + i_h * K + o_k[None, :], r0 + o_c < te,
+                                        A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
+        b_er = tl.exp(b_Lr)                                                # exp(G_i - c_a) on the rows
+        b_kct = tl.trans(b_kc)
+        b_Aq += tl.dot(load_rows(q, r0, te, i_h, o_k, H, K, BC) * b_er, b_kct, input_precision=PREC)
+        b_Ak += tl.dot(load_rows(k, r0, te, i_h, o_k, H, K, BC) * b_er, b_kct, input_precision=PREC)
+    rows = r0 + o_c
+    m = (rows < te)[:, None]
+    i_loc = a * BC + o_c
+    b_beta = tl.load(beta + rows * H + i_h, mask=rows < te, other=0.).to(tl.float32)
+    p = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
+    tl.store(Aqk + p, tl.where(i_loc[:, None] >= o_t[None, :], b_Aq, 0.).to(Aqk.dtype.element_ty), mask=m)
+    tl.store(L + p, tl.where(i_loc[:, None] > o_t[None, :], b_Ak * b_beta[:, None], 0.), mask=m)
+
+
+@triton.autotune(configs(INTRA_SPACE), key=["H", "K", "V"], prune_configs_by={"early_config_prune": fit_slice})
+@triton.jit
 def chunk_kda_fwd_intra_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, chunks,
+    q, k, v, g, beta, A_log, dt_bias, Aqk, L, Ainv, w, u, chunks,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
     te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
+    for a in tl.static_range(BT // BC):
+        gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, t0, te, i_h, a, H, K, BT, BC, BK,
+                  USE_GATE, HAS_BIAS, G_MIN, PREC)
+    tl.debug_barrier()   # L's rows, written by every warp, are read back as one tile
+
     o_t = tl.arange(0, BT)
     rows = t0 + o_t
     m_t = rows < te
-    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-
-    b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in tl.static_range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
-        b_G = tl.cumsum(b_g, 0)
-        for a in tl.static_range(BT // BC):
-            e_row, e_col = anchor_exponents(b_g, b_G, a, BT, BC)
-            b_kc = tl.trans(b_k * e_col)
-            b_Aqk += tl.dot(b_q * e_row, b_kc, input_precision=PREC)
-            b_Akk += tl.dot(b_k * e_row, b_kc, input_precision=PREC)
-    b_Aqk = tl.where(o_t[:, None] >= o_t[None, :], b_Aqk, 0.)
-    b_Akk = tl.where(o_t[:, None] > o_t[None, :], b_Akk * b_beta[:, None], 0.)
-    b_T = solve_unit_lower(b_Akk, BT, BC, SOLVE_PREC)
-
     p_A = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
-    tl.store(Aqk + p_A, b_Aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
+    b_T = solve_unit_lower(tl.load(L + p_A, mask=m_t[:, None], other=0.), BT, BC, SOLVE_PREC)
     tl.store(Ainv + p_A, b_T.to(Ainv.dtype.element_ty), mask=m_t[:, None])
+
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     for i_k in tl.static_range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
         b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
-        b_kb = b_k * tl.exp(tl.cumsum(b_g, 0)) * b_beta[:, None]
-        b_w = tl.dot(b_T, b_kb, input_precision=PREC)
-        tl.store(w + p_k, b_w.to(w.dtype.element_ty), mask=m_t[:, None])
-    for i_v in tl.static_range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
+        b_kb = load_rows(k, t0, te, i_h, o_k, H, K, BT) * tl.exp(tl.cumsum(b_g, 0)) * b_beta[:, None]
+        tl.store(w + p_k, tl.dot(b_T, b_kb, input_precision=PREC).to(w.dtype.element_ty), mask=m_t[:, None])
+    for i_v in tl.static_range(V // BK):
+        o_v = i_v * BK + tl.arange(0, BK)
         p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=PREC)
-        tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_t[:, None])
+        b_vb = load_rows(v, t0, te, i_h, o_v, H, V, BT) * b_beta[:, None]
+        tl.store(u + p_v, tl.dot(b_T, b_vb, input_precision=PREC).to(u.dtype.element_ty), mask=m_t[:, None])
 
 
 def chunk_kda_fwd_intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -115,13 +153,13 @@ def chunk_kda_fwd_intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     A_log, dt_bias, g_min = gate
     a_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     Aqk = q.new_empty(1, T, H, 64, dtype=a_dtype)
+    L = q.new_empty(1, T, H, 64, dtype=torch.float32)   # scratch: only alive during the kernel
     Ainv = torch.empty_like(Aqk)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     chunk_kda_fwd_intra_kernel[(chunks.shape[0], H)](
-        q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, chunks,
-        H=H, K=K, V=V, BT=64, BC=16, BK=min(K, 64), BV=min(V, 64),
+        q, k, v, g, beta, A_log, dt_bias, Aqk, L, Ainv, w, u, chunks,
+        H=H, K=K, V=V, BT=64, BC=16,
         USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min, PREC=prec[0], SOLVE_PREC=prec[1],
-        num_warps=8,
     )
     return Aqk, Ainv, w, u
