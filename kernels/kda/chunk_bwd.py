@@ -1,4 +1,5 @@
-"""Backward: the reverse state pass (dh, dv_new), then one fully parallel kernel for every input gradient.
+"""Backward: the reverse state pass (dh, dv_new), then two parallel kernels: one per chunk and head for what
+reduces over V (dv, the Gram gradients dA_qk and dA_kk, kept in float32), one per K block for dq, dk, dg.
 
 Writing X = diag(beta) (V - K exp(G) S), so that v_new = Ainv X, the gradient through the UT inverse is
     dX = Ainv^T dv_new,  dA_kk = -dX v_new^T  (strictly lower),
@@ -64,16 +65,61 @@ def chunk_kda_bwd_dh_kernel(
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_s, b_dS)
 
 
-# Narrow K blocks keep the many [BT, BK] gradient tiles in registers at the price of repeating the V-loop products.
-@triton.autotune(configs([({"BV": 32, "BK": 32}, 8), ({"BV": 64, "BK": 32}, 8), ({"BV": 64, "BK": 64}, 8)]),
+@triton.autotune(configs([({"BV": 32}, 4), ({"BV": 64}, 4), ({"BV": 64}, 8)]), key=["H", "V"],
+                 prune_configs_by={"early_config_prune": fit_v})
+@triton.jit
+def chunk_kda_bwd_dA_kernel(
+    v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale,
+    T, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Everything that reduces over V alone, once per chunk and head: dX = Ainv^T dv_new, dv = beta dX, the beta
+    gradient through X, and the gated Gram gradients dA_qk = scale dO v_new^T, dA_kk = -dX v_new^T (float32)."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
+    te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    rows = t0 + o_t
+    m_t = rows < te
+    dt = vn.dtype.element_ty
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    p_A = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
+    b_Tt = tl.trans(tl.load(Ainv + p_A, mask=m_t[:, None], other=0.).to(dt))
+
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAkk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbv = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.).to(dt)
+        b_vn = tl.load(vn + p_v, mask=m_t[:, None], other=0.).to(dt)
+        b_dvn = tl.load(dvn + p_v, mask=m_t[:, None], other=0.).to(dt)
+        b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_dx = tl.dot(b_Tt, b_dvn, input_precision=PREC)
+        tl.store(dv + p_v, (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
+        b_dbv += tl.sum(b_dx * b_v, 1)
+        b_vnt = tl.trans(b_vn)
+        b_dAqk += tl.dot(b_do, b_vnt, input_precision=PREC)
+        b_dAkk += tl.dot(b_dx.to(dt), b_vnt, input_precision=PREC)
+    tl.store(dAqk + p_A, tl.where(o_t[:, None] >= o_t[None, :], b_dAqk * scale, 0.), mask=m_t[:, None])
+    tl.store(dAkk + p_A, tl.where(o_t[:, None] > o_t[None, :], -b_dAkk, 0.), mask=m_t[:, None])
+    tl.store(dbeta + SLOT * T * H + rows * H + i_h, b_dbv, mask=m_t)
+
+
+# Narrow K blocks keep the [BT, BK] gradient tiles in registers; nothing here is repeated across K blocks but the
+# loads of dO, v_new and dv_new.
+@triton.autotune(configs([({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 8),
+                          ({"BV": 64, "BK": 64}, 8)]),
                  key=["H", "K", "V"], restore_value=["dbeta"], prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
-def chunk_kda_bwd_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dq, dk, dv, dg, dbeta, chunks, scale,
+def chunk_kda_bwd_dqkg_kernel(
+    q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """dq, dk, dg (or dz) and the rest of dbeta for one K block: the state products, then the gated Gram
+    matrices' gradients with the forward's sub-chunk anchors."""
     i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
     te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
@@ -83,16 +129,11 @@ def chunk_kda_bwd_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     dt = vn.dtype.element_ty
     p_h = (i_t.to(tl.int64) * H + i_h) * K * V
-    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    b_T = tl.load(Ainv + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_t[:, None], other=0.)
 
-    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dAkk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dqs = tl.zeros([BT, BK], dtype=tl.float32)   # dO S^T
-    b_P = tl.zeros([BT, BK], dtype=tl.float32)     # dX S^T
+    b_Q = tl.zeros([BT, BK], dtype=tl.float32)     # dv_new S^T (dX S^T = Ainv^T dv_new S^T)
     b_dkd = tl.zeros([BT, BK], dtype=tl.float32)   # v_new dS'^T
     b_dgam = tl.zeros([BK], dtype=tl.float32)      # sum_v S * dS'
-    b_dbv = tl.zeros([BT], dtype=tl.float32)       # sum_v dX * v
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
@@ -102,56 +143,59 @@ def chunk_kda_bwd_kernel(
         p_s = p_h + o_k[:, None] * V + o_v[None, :]
         b_S = tl.load(h + p_s).to(dt)
         b_dS = tl.load(dh + p_s).to(dt)
-        b_dx = tl.dot(tl.trans(b_T.to(dt)), b_dvn, input_precision=PREC)
-        if i_k == 0:
-            b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.).to(tl.float32)
-            tl.store(dv + p_v, (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
-            b_dbv += tl.sum(b_dx * b_v, 1)
-        b_dx = b_dx.to(dt)
-        b_dAqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
-        b_dAkk += tl.dot(b_dx, tl.trans(b_vn), input_precision=PREC)
-        b_dqs += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)
-        b_P += tl.dot(b_dx, tl.trans(b_S), input_precision=PREC)
+        b_St = tl.trans(b_S)
+        b_dqs += tl.dot(b_do, b_St, input_precision=PREC)
+        b_Q += tl.dot(b_dvn, b_St, input_precision=PREC)
         b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
         b_dgam += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), 1)
 
+    p_A = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
+    p_At = rows[None, :] * (H * BT) + i_h * BT + o_t[:, None]   # the transposed tile, read as such
+    b_P = tl.dot(tl.trans(tl.load(Ainv + p_A, mask=m_t[:, None], other=0.).to(tl.float32)), b_Q,
+                 input_precision=PREC)
     p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
-    b_G = tl.cumsum(b_g, 0)
-    b_gam = tl.sum(b_g, 0)
+    b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
+    b_gam = tl.sum(tl.where((o_t == BT - 1)[:, None], b_G, 0.), 0)
     b_eG = tl.exp(b_G)
-    b_dAqk = tl.where(o_t[:, None] >= o_t[None, :], b_dAqk * scale, 0.)
-    b_dAkk = tl.where(o_t[:, None] > o_t[None, :], -b_dAkk, 0.)
-    b_dAkkb = b_dAkk * b_beta[:, None]
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
 
+    # Phases, each finished before the next, so few [BT, BK] tiles are alive at once.
+    # dq = scale dO S^T exp(G) + sum_j dA_qk[i, j] k_j exp(G_i - G_j), sub-chunk anchors on the rows.
     b_dq = b_dqs * scale * b_eG
-    b_kg_P = b_k * b_eG * b_P
-    b_dk_read = -b_beta[:, None] * b_eG * b_P          # through K exp(G) in X
-    b_dk_write = b_dkd * tl.exp(b_gam[None, :] - b_G)  # through k exp(gamma - G) in the state update
-    b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dk_write, 0)
-    b_R = tl.zeros([BT, BK], dtype=tl.float32)         # sum_j dA_kk[i, j] k_j exp(G_i - G_j)
     for a in tl.static_range(BT // BC):
-        e_row, e_col = anchor_exponents(b_g, b_G, a, BT, BC)
-        b_kc = b_k * e_col
-        b_dq += e_row * tl.dot(b_dAqk, b_kc, input_precision=PREC)
-        b_R += e_row * tl.dot(b_dAkk, b_kc, input_precision=PREC)
-        b_dk_write += e_col * tl.dot(tl.trans(b_dAqk), b_q * e_row, input_precision=PREC)
-        b_dk_write += e_col * tl.dot(tl.trans(b_dAkkb), b_k * e_row, input_precision=PREC)
-    b_dk_read += b_beta[:, None] * b_R
-    b_dk = b_dk_read + b_dk_write
-    b_dG = b_q * b_dq + b_k * (b_dk_read - b_dk_write)
+        e_row, e_col = anchor_exponents(b_G, a, BT, BC)
+        b_dq += e_row * tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_k * e_col, input_precision=PREC)
+    tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
+    b_dG = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32) * b_dq
+
+    # Through X = diag(beta) (V - K exp(G) S): R = sum_j dA_kk[i, j] k_j exp(G_i - G_j), then dk as a reader.
+    b_X = -b_eG * b_P
+    for a in tl.static_range(BT // BC):
+        e_row, e_col = anchor_exponents(b_G, a, BT, BC)
+        b_X += e_row * tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_k * e_col, input_precision=PREC)
+    tl.store(dbeta + i_k * T * H + rows * H + i_h, tl.sum(b_k * b_X, 1), mask=m_t)
+    b_dk = b_beta[:, None] * b_X                        # dk_read
+    b_dG += b_k * b_dk
+
+    # dk as a writer: through k exp(gamma - G) in the state update and k_j exp(-G_j) in both Gram matrices.
+    b_dkw = b_dkd * tl.exp(b_gam[None, :] - b_G)
+    b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dkw, 0)
+    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_kb = b_k * b_beta[:, None]
+    for a in tl.static_range(BT // BC):
+        e_row, e_col = anchor_exponents(b_G, a, BT, BC)
+        b_w = tl.dot(tl.load(dAqk + p_At, mask=m_t[None, :], other=0.), b_q * e_row, input_precision=PREC)
+        b_w += tl.dot(tl.load(dAkk + p_At, mask=m_t[None, :], other=0.), b_kb * e_row, input_precision=PREC)
+        b_dkw += e_col * b_w
+    b_dk += b_dkw
+    b_dG -= b_k * b_dkw
+    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
+
     b_dg = tl.cumsum(b_dG, 0, reverse=True) + b_dgam[None, :]
     if USE_GATE:
         b_dg *= log_decay_grad(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, HAS_BIAS, G_MIN)
-    b_db = tl.sum(b_k * b_R - b_kg_P, 1)
-    if i_k == 0:
-        b_db += b_dbv
-    tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
-    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
     tl.store(dg + p_k, b_dg.to(dg.dtype.element_ty), mask=m_t[:, None])
-    tl.store(dbeta + i_k * T * H + rows * H + i_h, b_db, mask=m_t)
 
 
 def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -182,10 +226,15 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dq, dk, dv, dg = qg, kd, torch.empty_like(v), torch.empty_like(g)
     del qg, kd, gam, Aqk, w
     Ainv = saved.pop("Ainv")
-    dbeta = q.new_zeros(K // 32, T, H, dtype=torch.float32)   # one partial sum per K block (at most K / 32)
-    chunk_kda_bwd_kernel[lambda meta: (chunks.shape[0], H, K // meta["BK"])](
-        q, k, v, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dq, dk, dv, dg, dbeta, chunks, scale,
-        T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias,
-        G_MIN=g_min, PREC=prec,
+    slots = K // 32   # one partial dbeta per K block (at most K / 32), and one for the V part
+    dbeta = q.new_zeros(slots + 1, T, H, dtype=torch.float32)
+    dAqk = q.new_empty(1, T, H, 64, dtype=torch.float32)
+    dAkk = torch.empty_like(dAqk)
+    chunk_kda_bwd_dA_kernel[(chunks.shape[0], H)](
+        v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale, T, H=H, V=V, BT=64, SLOT=slots, PREC=prec,
+    )
+    chunk_kda_bwd_dqkg_kernel[lambda meta: (chunks.shape[0], H, K // meta["BK"])](
+        q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
+        T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
     )
     return dq, dk, dv, dg, dbeta.sum(0, keepdim=True), dh0

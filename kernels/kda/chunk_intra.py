@@ -29,10 +29,11 @@ def fit_slice(space: list[triton.Config], nargs: dict, **kwargs) -> list[triton.
 
 
 @triton.jit
-def anchor_exponents(b_g, b_G, a: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """exp(G - c_a) on the rows of sub-chunk a (else 0) and exp(c_a - G) on tokens up to its end (else 0)."""
+def anchor_exponents(b_G, a: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """exp(G - c_a) on the rows of sub-chunk a (else 0) and exp(c_a - G) on tokens up to its end (else 0), with
+    c_a = G just before sub-chunk a (0 for the first)."""
     o_t = tl.arange(0, BT)
-    b_c = tl.sum(tl.where((o_t < a * BC)[:, None], b_g, 0.), 0)
+    b_c = tl.sum(tl.where((o_t == a * BC - 1)[:, None], b_G, 0.), 0)
     m_row = (o_t >= a * BC) & (o_t < a * BC + BC)
     m_col = o_t < a * BC + BC
     e_row = tl.exp(tl.where(m_row[:, None], b_G - b_c[None, :], float("-inf")))

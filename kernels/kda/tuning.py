@@ -12,5 +12,7 @@ def configs(space: list[tuple[dict, int]]) -> list[triton.Config]:
 
 
 def fit_v(space: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    """Drop V blocks wider than V (early_config_prune hook)."""
-    return [c for c in space if c.kwargs.get("BV", 0) <= kwargs["V"]] or space[:1]
+    """Drop V blocks wider than V and K blocks wider than K (early_config_prune hook)."""
+    def fits(c: triton.Config) -> bool:
+        return c.kwargs.get("BV", 0) <= kwargs["V"] and c.kwargs.get("BK", 0) <= kwargs.get("K", float("inf"))
+    return [c for c in space if fits(c)] or space[:1]
