@@ -4,9 +4,9 @@ A chunk of BT = 64 tokens is four sub-chunks of BC = 16. The rows of sub-chunk a
 cumulative log-decay just before it (never a later token, so the chunk stays exactly causal):
     A[i, j] = sum_c (x_ic exp(G_ic - c_a)) (k_jc exp(c_a - G_jc)),   i in sub-chunk a, j <= its last token.
 With g >= -5 the row exponent lies in [-80, 0] and the column one is <= 80 (it only underflows where the product
-does), so each row sub-chunk is one [16, BK] x [BK, 64] `tl.dot` per K slice, diagonal block included.
+does), so each row sub-chunk is one [16, K] x [K, 64] `tl.dot`, diagonal block included.
 
-Three phases in one program, so that no phase's tiles are alive in another (a few warps, no spills): the Gram
+Three phases in one program: the chunk's keys and cumulative decay [64, K] are loaded and scanned once; the Gram
 rows go to A_qk and, as L = diag(beta) strict_tril(A_kk), to a float32 scratch; after a barrier L comes back as one
 [64, 64] tile for the UT inverse; w and u follow from the inverse still in registers.
 """
@@ -17,15 +17,11 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import load_log_decay
-from kernels.kda.tuning import configs
+from kernels.kda.tuning import configs, fit_v
 
-# (BK, num_warps): BK is the K (and V) slice of the four sub-chunk tiles held at once.
-INTRA_SPACE = [({"BK": 32}, 4), ({"BK": 64}, 4), ({"BK": 32}, 8), ({"BK": 64}, 8)]
-
-
-def fit_slice(space: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    """Drop slices wider than K or V (early_config_prune hook)."""
-    return [c for c in space if c.kwargs["BK"] <= min(kwargs["K"], kwargs["V"])] or space[:1]
+# (BV, num_warps): the keys and their cumulative decay [64, K] stay in registers through the Gram phase.
+# Smallest block first: the interpreter runs only the first entry, for every V.
+INTRA_SPACE = [({"BV": 32}, 8), ({"BV": 64}, 8), ({"BV": 128}, 8), ({"BV": 64}, 4)]
 
 
 @triton.jit
@@ -77,69 +73,65 @@ def solve_unit_lower(b_L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr
 
 
 @triton.jit
-def gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, t0, te, i_h, a: tl.constexpr,
-              H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+def gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, b_k, b_G, t0, te, i_h, a: tl.constexpr,
+              H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
               USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr):
-    """Rows of sub-chunk a of A_qk (stored, lower incl.) and of L = diag(beta) strict_tril(A_kk) (to the scratch)."""
+    """Rows of sub-chunk a of A_qk (stored, lower incl.) and of L = diag(beta) strict_tril(A_kk) (to the scratch),
+    from the chunk's keys b_k and cumulative log-decay b_G [BT, K]."""
     o_t = tl.arange(0, BT)
     o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
     r0 = t0 + a * BC
-    b_Aq = tl.zeros([BC, BT], dtype=tl.float32)
-    b_Ak = tl.zeros([BC, BT], dtype=tl.float32)
-    for i_k in tl.static_range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = load_rows(k, t0, te, i_h, o_k, H, K, BT)
-        b_G = tl.cumsum(load_log_decay(g + (t0 + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], t0 + o_t < te,
-                                       A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
-        b_c = tl.sum(tl.where((o_t == a * BC - 1)[:, None], b_G, 0.), 0)   # c_a (0 for the first sub-chunk)
-        b_kc = b_k * tl.exp(tl.where((o_t < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf")))
-        b_Lr = tl.cumsum(load_log_decay(g + (r0 + o_c)[:, None] * (H * K) + i_h * K + o_k[None, :], r0 + o_c < te,
-                                        A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
-        b_er = tl.exp(b_Lr)                                                # exp(G_i - c_a) on the rows
-        b_kct = tl.trans(b_kc)
-        b_Aq += tl.dot(load_rows(q, r0, te, i_h, o_k, H, K, BC) * b_er, b_kct, input_precision=PREC)
-        b_Ak += tl.dot(load_rows(k, r0, te, i_h, o_k, H, K, BC) * b_er, b_kct, input_precision=PREC)
     rows = r0 + o_c
-    m = (rows < te)[:, None]
+    m_r = rows < te
+    b_c = tl.sum(tl.where((o_t == a * BC - 1)[:, None], b_G, 0.), 0)   # c_a (0 for the first sub-chunk)
+    b_kct = tl.trans(b_k * tl.exp(tl.where((o_t < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf"))))
+    b_er = tl.exp(tl.cumsum(load_log_decay(g + rows[:, None] * (H * K) + i_h * K + o_k[None, :], m_r,
+                                           A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0))
+    b_Aq = tl.dot(load_rows(q, r0, te, i_h, o_k, H, K, BC) * b_er, b_kct, input_precision=PREC)
+    b_Ak = tl.dot(load_rows(k, r0, te, i_h, o_k, H, K, BC) * b_er, b_kct, input_precision=PREC)
     i_loc = a * BC + o_c
-    b_beta = tl.load(beta + rows * H + i_h, mask=rows < te, other=0.).to(tl.float32)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_r, other=0.).to(tl.float32)
     p = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
-    tl.store(Aqk + p, tl.where(i_loc[:, None] >= o_t[None, :], b_Aq, 0.).to(Aqk.dtype.element_ty), mask=m)
-    tl.store(L + p, tl.where(i_loc[:, None] > o_t[None, :], b_Ak * b_beta[:, None], 0.), mask=m)
+    tl.store(Aqk + p, tl.where(i_loc[:, None] >= o_t[None, :], b_Aq, 0.).to(Aqk.dtype.element_ty), mask=m_r[:, None])
+    tl.store(L + p, tl.where(i_loc[:, None] > o_t[None, :], b_Ak * b_beta[:, None], 0.), mask=m_r[:, None])
 
 
-@triton.autotune(configs(INTRA_SPACE), key=["H", "K", "V"], prune_configs_by={"early_config_prune": fit_slice})
+@triton.autotune(configs(INTRA_SPACE), key=["H", "K", "V"], prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_fwd_intra_kernel(
     q, k, v, g, beta, A_log, dt_bias, Aqk, L, Ainv, w, u, chunks,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
     te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    rows = t0 + o_t
+    m_t = rows < te
+    p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+    # The chunk's keys and cumulative log-decay, loaded and scanned once for all four sub-chunks.
+    b_k = load_rows(k, t0, te, i_h, o_k, H, K, BT)
+    b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
     for a in tl.static_range(BT // BC):
-        gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, t0, te, i_h, a, H, K, BT, BC, BK,
+        gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, b_k, b_G, t0, te, i_h, a, H, K, BT, BC,
                   USE_GATE, HAS_BIAS, G_MIN, PREC)
     tl.debug_barrier()   # L's rows, written by every warp, are read back as one tile
 
-    o_t = tl.arange(0, BT)
-    rows = t0 + o_t
-    m_t = rows < te
     p_A = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
     b_T = solve_unit_lower(tl.load(L + p_A, mask=m_t[:, None], other=0.), BT, BC, SOLVE_PREC)
     tl.store(Ainv + p_A, b_T.to(Ainv.dtype.element_ty), mask=m_t[:, None])
 
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    for i_k in tl.static_range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
-        b_kb = load_rows(k, t0, te, i_h, o_k, H, K, BT) * tl.exp(tl.cumsum(b_g, 0)) * b_beta[:, None]
-        tl.store(w + p_k, tl.dot(b_T, b_kb, input_precision=PREC).to(w.dtype.element_ty), mask=m_t[:, None])
-    for i_v in tl.static_range(V // BK):
-        o_v = i_v * BK + tl.arange(0, BK)
+    # Loaded and scanned again rather than kept alive through the inverse (registers).
+    b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
+    b_kb = load_rows(k, t0, te, i_h, o_k, H, K, BT) * tl.exp(b_G) * b_beta[:, None]
+    tl.store(w + p_k, tl.dot(b_T, b_kb, input_precision=PREC).to(w.dtype.element_ty), mask=m_t[:, None])
+    for i_v in tl.static_range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
         p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
         b_vb = load_rows(v, t0, te, i_h, o_v, H, V, BT) * b_beta[:, None]
         tl.store(u + p_v, tl.dot(b_T, b_vb, input_precision=PREC).to(u.dtype.element_ty), mask=m_t[:, None])
