@@ -73,7 +73,7 @@ def solve_unit_lower(b_L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr
 
 
 @triton.jit
-def gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, b_k, b_G, t0, te, i_h, a: tl.constexpr,
+def gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, b_k, b_G, t0, te, i_h, a,
               H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
               USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr):
     """Rows of sub-chunk a of A_qk (stored, lower incl.) and of L = diag(beta) strict_tril(A_kk) (to the scratch),
@@ -116,7 +116,7 @@ def chunk_kda_fwd_intra_kernel(
     # The chunk's keys and cumulative log-decay, loaded and scanned once for all four sub-chunks.
     b_k = load_rows(k, t0, te, i_h, o_k, H, K, BT)
     b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
-    for a in tl.static_range(BT // BC):
+    for a in range(BT // BC):
         gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, b_k, b_G, t0, te, i_h, a, H, K, BT, BC,
                   USE_GATE, HAS_BIAS, G_MIN, PREC)
     tl.debug_barrier()   # L's rows, written by every warp, are read back as one tile
