@@ -9,8 +9,6 @@ dG = q dq + k dk_read - k dk_write, and dg is its reverse cumulative sum plus th
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -200,157 +198,6 @@ def chunk_kda_bwd_dqkg_kernel(
     tl.store(dg + p_k, b_dg.to(dg.dtype.element_ty), mask=m_t[:, None])
 
 
-@triton.jit
-def load_block_t(x, t0, te, i_h, r0, c0, R: tl.constexpr, C: tl.constexpr,
-                 H: tl.constexpr, BT: tl.constexpr):
-    """Transposed block of a per-chunk [T, H, BT] matrix M: out[i, j] = M[t0 + c0 + j, r0 + i], [R, C] float32,
-    zero where the row t0 + c0 + j lies past the document end (those rows were never written)."""
-    o_r = r0 + tl.arange(0, R)
-    o_c = t0 + c0 + tl.arange(0, C)
-    return tl.load(x + o_c[None, :] * (H * BT) + i_h * BT + o_r[:, None], mask=(o_c < te)[None, :], other=0.)
-
-
-@triton.jit
-def sub_chunk_decay(g, A_log, dt_bias, t0, te, i_h, o_k, a, H: tl.constexpr, K: tl.constexpr,
-                    BC: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr):
-    """Cumulative log-decay inside sub-chunk a, G_i - c_a [BC, BK], and the mask of its rows in the document."""
-    rows = t0 + a * BC + tl.arange(0, BC)
-    m = rows < te
-    b_g = load_log_decay(g + rows[:, None] * (H * K) + i_h * K + o_k[None, :], m, A_log, dt_bias, i_h, o_k, K,
-                         USE_GATE, HAS_BIAS, G_MIN)
-    return tl.cumsum(b_g, 0), m
-
-
-@triton.jit
-def rows_times_state(x, s, rows, m, p_h, o_k, i_h, H: tl.constexpr, V: tl.constexpr, R: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """x[rows] s^T [R, BK] for x [T, H, V] (head i_h) and a chunk-head's state s [K, V] at p_h (its K rows o_k)."""
-    dt = x.dtype.element_ty
-    b_o = tl.zeros([R, BK], dtype=tl.float32)
-    for i_v in range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_x = tl.load(x + rows[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m[:, None], other=0.)
-        b_s = tl.load(s + p_h + o_k[:, None] * V + o_v[None, :]).to(dt)
-        b_o += tl.dot(b_x, tl.trans(b_s), input_precision=PREC)
-    return b_o
-
-
-@triton.jit
-def chunk_offset(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
-    """c_a = G just before sub-chunk a [BK] (0 for the first), read exactly out of the chunk's G [BT, BK]."""
-    return tl.sum(tl.where((tl.arange(0, BT) == a * BC - 1)[:, None], b_G, 0.), 0)
-
-
-@triton.autotune(configs([({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 4), ({"BV": 64, "BK": 64}, 4),
-                          ({"BV": 64, "BK": 64}, 8), ({"BV": 64, "BK": 128}, 8)]),
-                 key=["H", "K", "V"], restore_value=["dbeta"], prune_configs_by={"early_config_prune": fit_v})
-@triton.jit
-def chunk_kda_bwd_dqkg_rows_kernel(
-    q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """dq, dk, dg (or dz) and the rest of dbeta for one K block, one 16-row sub-chunk b of outputs at a time
-    (last first, so dg's reverse cumulative sum carries over), on [16, 16] blocks of the Gram gradients: only the
-    blocks the causal mask keeps, each with the forward's anchor (c_a of the Gram row's sub-chunk a).
-
-    dg cancels large terms (a pair i, j >= t enters through G_i and G_j with opposite signs), so every factor
-    exp(G_i - c_a), exp(c_a - G_j) is the same float wherever it appears: G_j = c_a + L_a(j), with L_a the
-    in-sub-chunk cumulative sum and c_a read exactly out of the chunk's G; the chunk-end term is summed from the
-    same products as the rows' own (v_new dS'^T is computed twice rather than stored)."""
-    i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
-    te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
-    o_t = tl.arange(0, BT)
-    o_c = tl.arange(0, BC)
-    rows = t0 + o_t
-    m_t = rows < te
-    o_k = i_k * BK + tl.arange(0, BK)
-    dt = vn.dtype.element_ty
-    p_h = (i_t.to(tl.int64) * H + i_h) * K * V
-    p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
-    b_gam = chunk_offset(b_G, BT // BC, BT, BC)
-
-    # Q = dv_new S^T (dX S^T = Ainv^T Q) and the chunk-end decay's gradient: exp(gamma) sum_v S dS' through the
-    # state, plus sum_i k_i (v_new dS'^T)_i exp(gamma - G_i) through the update, with the main loop's factors.
-    b_Q = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dgam = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
-        p_s = p_h + o_k[:, None] * V + o_v[None, :]
-        b_S = tl.load(h + p_s).to(dt)
-        b_Q += tl.dot(tl.load(dvn + p_v, mask=m_t[:, None], other=0.).to(dt), tl.trans(b_S), input_precision=PREC)
-        b_dgam += tl.sum(b_S.to(tl.float32) * tl.load(dh + p_s).to(tl.float32), 1)
-    b_dgam *= tl.exp(b_gam)
-    for i_p in range(BT // BC):
-        b_Lb, m_b = sub_chunk_decay(g, A_log, dt_bias, t0, te, i_h, o_k, i_p, H, K, BC, USE_GATE, HAS_BIAS, G_MIN)
-        rows_b = t0 + i_p * BC + o_c
-        b_kb = tl.load(k + rows_b[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_b[:, None], other=0.)
-        b_dkd = rows_times_state(vn, dh, rows_b, m_b, p_h, o_k, i_h, H, V, BC, BK, BV, PREC)
-        b_Gb = chunk_offset(b_G, i_p, BT, BC)[None, :] + b_Lb
-        b_dgam += tl.sum(b_kb.to(tl.float32) * b_dkd * tl.exp(b_gam[None, :] - b_Gb), 0)
-
-    b_carry = tl.zeros([BK], dtype=tl.float32)   # sum of dG over the sub-chunks after b
-    for i_b in range(BT // BC):
-        b = BT // BC - 1 - i_b
-        rows_b = t0 + b * BC + o_c
-        b_Lb, m_b = sub_chunk_decay(g, A_log, dt_bias, t0, te, i_h, o_k, b, H, K, BC, USE_GATE, HAS_BIAS, G_MIN)
-        b_cb = chunk_offset(b_G, b, BT, BC)
-        b_Gb = b_cb[None, :] + b_Lb
-        b_eGb = tl.exp(b_Gb)
-        b_erb = tl.exp(b_Lb)
-        p_kb = rows_b[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_qb = tl.load(q + p_kb, mask=m_b[:, None], other=0.).to(tl.float32)
-        b_kb = tl.load(k + p_kb, mask=m_b[:, None], other=0.).to(tl.float32)
-        b_betab = tl.load(beta + rows_b * H + i_h, mask=m_b, other=0.).to(tl.float32)
-
-        b_dqs = rows_times_state(do, h, rows_b, m_b, p_h, o_k, i_h, H, V, BC, BK, BV, PREC)   # dO S^T
-
-        # Sub-chunk b as Gram rows (anchor c_b) against the keys of every sub-chunk a <= b.
-        b_iq = tl.zeros([BC, BK], dtype=tl.float32)
-        b_ik = tl.zeros([BC, BK], dtype=tl.float32)
-        for a in range(b + 1):
-            b_La, m_a = sub_chunk_decay(g, A_log, dt_bias, t0, te, i_h, o_k, a, H, K, BC, USE_GATE, HAS_BIAS, G_MIN)
-            b_Ga = chunk_offset(b_G, a, BT, BC)[None, :] + b_La
-            p_ka = (t0 + a * BC + o_c)[:, None] * (H * K) + i_h * K + o_k[None, :]
-            b_kc = tl.load(k + p_ka, mask=m_a[:, None], other=0.).to(tl.float32) * tl.exp(b_cb[None, :] - b_Ga)
-            p_A = rows_b[:, None] * (H * BT) + i_h * BT + a * BC + o_c[None, :]
-            b_iq += tl.dot(tl.load(dAqk + p_A, mask=m_b[:, None], other=0.), b_kc, input_precision=PREC)
-            b_ik += tl.dot(tl.load(dAkk + p_A, mask=m_b[:, None], other=0.), b_kc, input_precision=PREC)
-        b_dq = b_dqs * scale * b_eGb + b_erb * b_iq
-        b_P = tl.dot(load_block_t(Ainv, t0, te, i_h, b * BC, 0, BC, BT, H, BT).to(tl.float32), b_Q,
-                     input_precision=PREC)
-        b_X = b_erb * b_ik - b_eGb * b_P                   # sum_j dA_kk k_j exp(G_i - G_j) - dX S^T exp(G)
-
-        # k of sub-chunk b as a writer: the state update, then the Gram rows of every sub-chunk a >= b.
-        b_dkw = rows_times_state(vn, dh, rows_b, m_b, p_h, o_k, i_h, H, V, BC, BK, BV, PREC) * tl.exp(b_gam[None, :] - b_Gb)
-        for a in range(b, BT // BC):
-            b_La, m_a = sub_chunk_decay(g, A_log, dt_bias, t0, te, i_h, o_k, a, H, K, BC, USE_GATE, HAS_BIAS, G_MIN)
-            rows_a = t0 + a * BC + o_c
-            p_ka = rows_a[:, None] * (H * K) + i_h * K + o_k[None, :]
-            b_era = tl.exp(b_La)
-            b_qa = tl.load(q + p_ka, mask=m_a[:, None], other=0.).to(tl.float32) * b_era
-            b_ba = tl.load(beta + rows_a * H + i_h, mask=m_a, other=0.).to(tl.float32)
-            b_ka = tl.load(k + p_ka, mask=m_a[:, None], other=0.).to(tl.float32) * b_era * b_ba[:, None]
-            b_w = tl.dot(load_block_t(dAqk, t0, te, i_h, b * BC, a * BC, BC, BC, H, BT), b_qa, input_precision=PREC)
-            b_w += tl.dot(load_block_t(dAkk, t0, te, i_h, b * BC, a * BC, BC, BC, H, BT), b_ka, input_precision=PREC)
-            b_dkw += tl.exp(chunk_offset(b_G, a, BT, BC)[None, :] - b_Gb) * b_w
-
-        b_dkr = b_betab[:, None] * b_X                     # k as a reader, through K exp(G) in X
-        b_dG = b_qb * b_dq + b_kb * (b_dkr - b_dkw)
-        b_dg = tl.cumsum(b_dG, 0, reverse=True) + (b_carry + b_dgam)[None, :]
-        b_carry += tl.sum(b_dG, 0)
-        if USE_GATE:
-            b_dg *= log_decay_grad(g + p_kb, m_b, A_log, dt_bias, i_h, o_k, K, HAS_BIAS, G_MIN)
-        tl.store(dq + p_kb, b_dq.to(dq.dtype.element_ty), mask=m_b[:, None])
-        tl.store(dk + p_kb, (b_dkr + b_dkw).to(dk.dtype.element_ty), mask=m_b[:, None])
-        tl.store(dg + p_kb, b_dg.to(dg.dtype.element_ty), mask=m_b[:, None])
-        tl.store(dbeta + i_k * T * H + rows_b * H + i_h, tl.sum(b_kb * b_X, 1), mask=m_b)
-
-
 def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   gate: tuple, saved: dict, do: torch.Tensor, dht: torch.Tensor | None, scale: float, has_h0: bool,
                   cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, chunks: torch.Tensor, prec: str
@@ -386,9 +233,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     chunk_kda_bwd_dA_kernel[(chunks.shape[0], H)](
         v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale, T, H=H, V=V, BT=64, SLOT=slots, PREC=prec,
     )
-    kernel = chunk_kda_bwd_dqkg_rows_kernel if os.environ.get("LONGWEAVE_KDA_BWD", "rows") == "rows" \
-        else chunk_kda_bwd_dqkg_kernel
-    kernel[lambda meta: (chunks.shape[0], H, K // meta["BK"])](
+    chunk_kda_bwd_dqkg_kernel[lambda meta: (chunks.shape[0], H, K // meta["BK"])](
         q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
         T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
     )
