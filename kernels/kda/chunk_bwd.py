@@ -14,16 +14,16 @@ import triton
 import triton.language as tl
 
 from kernels.kda.chunk_intra import anchor_exponents
-from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chunk_kda_decay
+from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chain_bucket, chunk_kda_decay
 from kernels.kda.gate import load_log_decay, log_decay_grad
 from kernels.kda.tuning import configs, fit_v
 
 
-@triton.autotune(configs(STATE_PASS_SPACE), key=["H", "K", "V"],
+@triton.autotune(configs(STATE_PASS_SPACE), key=["H", "K", "V", "CHAINS"],
                  prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dh_kernel(
-    qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, CHAINS,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -65,7 +65,14 @@ def chunk_kda_bwd_dh_kernel(
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_s, b_dS)
 
 
-@triton.autotune(configs([({"BV": 32}, 4), ({"BV": 64}, 4), ({"BV": 64}, 8)]), key=["H", "V"],
+DA_SPACE = [({"BV": 32}, 4), ({"BV": 64}, 4), ({"BV": 64}, 8)]
+# Narrow K blocks keep the [BT, BK] gradient tiles in registers; nothing is repeated across K blocks but the loads
+# of dO, v_new and dv_new.
+DQKG_SPACE = [({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 8),
+              ({"BV": 64, "BK": 64}, 8)]
+
+
+@triton.autotune(configs(DA_SPACE), key=["H", "V"],
                  prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dA_kernel(
@@ -106,11 +113,8 @@ def chunk_kda_bwd_dA_kernel(
     tl.store(dbeta + SLOT * T * H + rows * H + i_h, b_dbv, mask=m_t)
 
 
-# Narrow K blocks keep the [BT, BK] gradient tiles in registers; nothing here is repeated across K blocks but the
-# loads of dO, v_new and dv_new.
-@triton.autotune(configs([({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 8),
-                          ({"BV": 64, "BK": 64}, 8)]),
-                 key=["H", "K", "V"], restore_value=["dbeta"], prune_configs_by={"early_config_prune": fit_v})
+@triton.autotune(configs(DQKG_SPACE), key=["H", "K", "V"], restore_value=["dbeta"],
+                 prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dqkg_kernel(
     q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
@@ -219,7 +223,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if has_h0 else None
     qg, kd, gam = chunk_kda_decay(q, k, g, gate, chunks)
     chunk_kda_bwd_dh_kernel[lambda meta: (V // meta["BV"], N * H)](
-        qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+        qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, chain_bucket(N * H),
         H=H, K=K, V=V, BT=64, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec,
     )
     # qg and kd (recomputed here, not saved) are dead now: their memory takes dq and dk.

@@ -12,8 +12,15 @@ import triton.language as tl
 from kernels.kda.gate import load_log_decay
 from kernels.kda.tuning import configs, fit_v
 
-# The state pass is a chain of NT dependent steps: narrow V blocks shorten each step and occupy more SMs.
-STATE_PASS_SPACE = [({"BV": 32}, 8), ({"BV": 16}, 8), ({"BV": 16}, 4), ({"BV": 32}, 4)]
+# The state pass is one chain of dependent chunk steps per (document, head). Few chains (one long sequence): narrow
+# V blocks shorten each step and occupy more SMs. Many chains (packed documents) fill the GPU anyway, and wide V
+# blocks then load each chunk's w, q and k fewer times. The key's CHAINS (log2 of their number) tells them apart.
+STATE_PASS_SPACE = [({"BV": 32}, 8), ({"BV": 16}, 8), ({"BV": 16}, 4), ({"BV": 32}, 4), ({"BV": 64}, 8)]
+
+
+def chain_bucket(n_chains: int) -> int:
+    """log2 bucket of the number of independent state chains, for the state passes' autotune key."""
+    return n_chains.bit_length()
 
 
 @triton.jit
@@ -55,11 +62,11 @@ def chunk_kda_decay(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tup
     return qg, kd, gam
 
 
-@triton.autotune(configs(STATE_PASS_SPACE), key=["H", "K", "V"], restore_value=["u"],
+@triton.autotune(configs(STATE_PASS_SPACE), key=["H", "K", "V", "CHAINS"], restore_value=["u"],
                  prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_fwd_h_kernel(
-    qg, kd, gam, w, u, Aqk, o, h, h0, ht, cu_seqlens, chunk_offsets, scale,
+    qg, kd, gam, w, u, Aqk, o, h, h0, ht, cu_seqlens, chunk_offsets, scale, CHAINS,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -119,7 +126,7 @@ def chunk_kda_fwd_h(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tup
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     qg, kd, gam = chunk_kda_decay(q, k, g, gate, chunks)
     chunk_kda_fwd_h_kernel[lambda meta: (V // meta["BV"], N * H)](
-        qg, kd, gam, w, u, Aqk, o, h, initial_state, ht, cu_seqlens, chunk_offsets, scale,
+        qg, kd, gam, w, u, Aqk, o, h, initial_state, ht, cu_seqlens, chunk_offsets, scale, chain_bucket(N * H),
         H=H, K=K, V=V, BT=64, USE_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_H=save_h, PREC=prec,
     )
     return o, ht, h

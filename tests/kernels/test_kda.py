@@ -116,6 +116,32 @@ def test_identical_keys_without_decay_stay_exact() -> None:
     check_against_recurrence(case, 1e-4)
 
 
+def tuning_spaces() -> dict[str, tuple]:
+    """Every autotuned KDA kernel with its whole search space (the interpreter otherwise runs only the first)."""
+    from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
+    return {
+        "intra": (chunk_intra.chunk_kda_fwd_intra_kernel, chunk_intra.INTRA_SPACE),
+        "state-pass": (chunk_fwd.chunk_kda_fwd_h_kernel, chunk_fwd.STATE_PASS_SPACE),
+        "reverse-pass": (chunk_bwd.chunk_kda_bwd_dh_kernel, chunk_fwd.STATE_PASS_SPACE),
+        "dA": (chunk_bwd.chunk_kda_bwd_dA_kernel, chunk_bwd.DA_SPACE),
+        "dqkg": (chunk_bwd.chunk_kda_bwd_dqkg_kernel, chunk_bwd.DQKG_SPACE),
+    }
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter runs one config per kernel; a GPU tunes over all of them")
+@pytest.mark.parametrize("kernel", ["intra", "state-pass", "reverse-pass", "dA", "dqkg"])
+def test_every_tuning_config_matches_recurrence(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU autotuner may pick any config of a kernel's space, so each one must be right: K = V = 128 (every
+    block width fits), two documents, a partly filled last chunk."""
+    import triton
+
+    tuned, space = tuning_spaces()[kernel]
+    for meta, warps in space:
+        monkeypatch.setattr(tuned, "configs", [triton.Config(meta, num_warps=warps)])
+        case = make_inputs(1, 100, 1, 128, 128, True, n_docs=2)
+        check_against_recurrence(case, 1e-4)
+
+
 def test_in_kernel_gate_matches_recurrence() -> None:
     """Raw gate input z, A_log and dt_bias: the kernel's bounded gate and its gradients (dz, dA_log, d dt_bias)."""
     case = make_inputs(1, 80, 2, 32, 32, True)
