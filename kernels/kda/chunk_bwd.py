@@ -65,6 +65,14 @@ def chunk_kda_bwd_dh_kernel(
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_s, b_dS)
 
 
+@triton.jit
+def load_v_tiles(do, vn, dvn, p_v, m_t, dt: tl.constexpr):
+    """The chunk's dO, v_new and dv_new tiles at offsets p_v in dtype dt, zero past the document end."""
+    m = m_t[:, None]
+    return (tl.load(do + p_v, mask=m, other=0.).to(dt), tl.load(vn + p_v, mask=m, other=0.).to(dt),
+            tl.load(dvn + p_v, mask=m, other=0.).to(dt))
+
+
 DA_SPACE = [({"BV": 32}, 4), ({"BV": 64}, 4), ({"BV": 64}, 8)]
 # Narrow K blocks keep the [BT, BK] gradient tiles in registers; nothing is repeated across K blocks but the loads
 # of dO, v_new and dv_new.
@@ -98,9 +106,7 @@ def chunk_kda_bwd_dA_kernel(
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.).to(dt)
-        b_vn = tl.load(vn + p_v, mask=m_t[:, None], other=0.).to(dt)
-        b_dvn = tl.load(dvn + p_v, mask=m_t[:, None], other=0.).to(dt)
+        b_do, b_vn, b_dvn = load_v_tiles(do, vn, dvn, p_v, m_t, dt)
         b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.).to(tl.float32)
         b_dx = tl.dot(b_Tt, b_dvn, input_precision=PREC)
         tl.store(dv + p_v, (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
@@ -141,9 +147,7 @@ def chunk_kda_bwd_dqkg_kernel(
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_do = tl.load(do + p_v, mask=m_t[:, None], other=0.).to(dt)
-        b_vn = tl.load(vn + p_v, mask=m_t[:, None], other=0.).to(dt)
-        b_dvn = tl.load(dvn + p_v, mask=m_t[:, None], other=0.).to(dt)
+        b_do, b_vn, b_dvn = load_v_tiles(do, vn, dvn, p_v, m_t, dt)
         p_s = p_h + o_k[:, None] * V + o_v[None, :]
         b_S = tl.load(h + p_s).to(dt)
         b_dS = tl.load(dh + p_s).to(dt)
