@@ -171,7 +171,7 @@ def chunk_kda_bwd_dqkg_kernel(
     # Phases, each finished before the next, so few [BT, BK] tiles are alive at once.
     # dq = scale dO S^T exp(G) + sum_j dA_qk[i, j] k_j exp(G_i - G_j), sub-chunk anchors on the rows.
     b_dq = b_dqs * scale * b_eG
-    for a in tl.static_range(BT // BC):
+    for a in range(BT // BC):
         e_row, e_col = anchor_exponents(b_G, a, BT, BC)
         b_dq += e_row * tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_k * e_col, input_precision=PREC)
     tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
@@ -179,7 +179,7 @@ def chunk_kda_bwd_dqkg_kernel(
 
     # Through X = diag(beta) (V - K exp(G) S): R = sum_j dA_kk[i, j] k_j exp(G_i - G_j), then dk as a reader.
     b_X = -b_eG * b_P
-    for a in tl.static_range(BT // BC):
+    for a in range(BT // BC):
         e_row, e_col = anchor_exponents(b_G, a, BT, BC)
         b_X += e_row * tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_k * e_col, input_precision=PREC)
     tl.store(dbeta + i_k * T * H + rows * H + i_h, tl.sum(b_k * b_X, 1), mask=m_t)
@@ -191,7 +191,7 @@ def chunk_kda_bwd_dqkg_kernel(
     b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dkw, 0)
     b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
     b_kb = b_k * b_beta[:, None]
-    for a in tl.static_range(BT // BC):
+    for a in range(BT // BC):
         e_row, e_col = anchor_exponents(b_G, a, BT, BC)
         b_w = tl.dot(tl.load(dAqk + p_At, mask=m_t[None, :], other=0.), b_q * e_row, input_precision=PREC)
         b_w += tl.dot(tl.load(dAkk + p_At, mask=m_t[None, :], other=0.), b_kb * e_row, input_precision=PREC)

@@ -25,7 +25,7 @@ INTRA_SPACE = [({"BV": 32}, 8), ({"BV": 64}, 8), ({"BV": 128}, 8), ({"BV": 64}, 
 
 
 @triton.jit
-def anchor_exponents(b_G, a: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def anchor_exponents(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
     """exp(G - c_a) on the rows of sub-chunk a (else 0) and exp(c_a - G) on tokens up to its end (else 0), with
     c_a = G just before sub-chunk a (0 for the first)."""
     o_t = tl.arange(0, BT)
