@@ -208,6 +208,44 @@ def test_exactly_causal(tau: int) -> None:
     assert not torch.equal(o_x[:, tau + 1:], o_y[:, tau + 1:])
 
 
+SEGMENT_CASES = [
+    pytest.param([0, 300], id="one-document-over-five-segments"),
+    pytest.param([0, 50, 64, 64, 200, 260, 300], id="documents-cut-at-and-across-boundaries-and-empty"),
+    pytest.param([0, 0, 128, 300, 300], id="empty-first-and-last"),
+]
+
+
+@pytest.mark.parametrize("cu", SEGMENT_CASES)
+@pytest.mark.parametrize("gate", [False, True], ids=["g", "in-kernel-gate"])
+def test_segments_match_one_pass(cu: list[int], gate: bool) -> None:
+    """Checkpointed 64-token segments give the outputs, final states and every gradient (initial states and
+    the gate parameters included) of one pass over the packed sequence."""
+    from kernels.kda.segments import chunk_kda_segmented
+
+    N, T = len(cu) - 1, cu[-1]
+    x = make_inputs(1, T, 2, 32, 32, False)["inputs"]
+    x["h0"] = torch.randn(N, 2, 32, 32, device=DEVICE)
+    if gate:
+        x |= dict(g=torch.randn(1, T, 2, 32, device=DEVICE), A_log=torch.randn(2, device=DEVICE) * 0.5,
+                  dt_bias=torch.randn(64, device=DEVICE))
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    grad_out = (torch.randn(1, T, 2, 32, device=DEVICE), torch.randn(N, 2, 32, 32, device=DEVICE))
+
+    def forward_backward(fn, **kw) -> tuple[torch.Tensor, torch.Tensor, dict]:  # noqa: ANN001
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items() if t is not None}
+        gate_args = {n: leaves[n] for n in ("A_log", "dt_bias") if n in leaves}
+        o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves["h0"],
+                   output_final_state=True, cu_seqlens=cu_seqlens, **gate_args, **kw)
+        ((o * grad_out[0]).sum() + (ht * grad_out[1]).sum()).backward()
+        return o, ht, {n: t.grad for n, t in leaves.items()}
+
+    o_ref, ht_ref, g_ref = forward_backward(chunk_kda)
+    o, ht, grads = forward_backward(chunk_kda_segmented, segment_tokens=64)
+    errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
+    errors |= {f"d{n}": rel_err(grads[n], g_ref[n]) for n in grads}
+    assert max(errors.values()) <= 1e-5, errors
+
+
 def test_documents_are_independent() -> None:
     """Changing document 1 (and its initial state) leaves documents 2 and 3 unchanged."""
     case = make_inputs(1, 150, 2, 32, 32, True, n_docs=3)

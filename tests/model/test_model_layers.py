@@ -62,6 +62,30 @@ def test_kda_layer_is_the_design_recurrence_with_state_reset_per_document() -> N
             start += n
 
 
+def test_kda_layer_in_segments_matches_one_pass() -> None:
+    """segment_tokens cuts a long packed sequence into checkpointed 64-token segments (documents cross their
+    boundaries): the same output and parameter gradients as one pass."""
+    torch.manual_seed(0)
+    one = KDALayer(D_MODEL, KDAConfig(n_heads=2, head_dim=32, segment_tokens=None))
+    cut = KDALayer(D_MODEL, KDAConfig(n_heads=2, head_dim=32, segment_tokens=64))
+    cut.load_state_dict(one.state_dict())
+    lengths = [100, 30, 70]
+    x = torch.randn(sum(lengths), D_MODEL)
+    outs = []
+    for layer in (one, cut):
+        out = layer(x, _seq(lengths, with_mask=False))
+        out.square().sum().backward()
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    for (name, p1), p2 in zip(one.named_parameters(), cut.parameters()):
+        torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_kda_segment_size_is_a_multiple_of_the_chunk() -> None:
+    with pytest.raises(ValueError, match="segment_tokens: must be a positive multiple of 64"):
+        KDAConfig(segment_tokens=100)
+
+
 def test_short_conv_isolation_is_exact_in_bf16() -> None:
     """The tokens at a document start are recomputed, not corrected: no rounding residue of the previous document."""
     conv = ShortConv(16, 4).to(torch.bfloat16)

@@ -23,16 +23,22 @@ LAYER_KINDS = ("kda", "mla")
 @dataclasses.dataclass(kw_only=True, slots=True)
 class KDAConfig:
     """Kimi Delta Attention mixer: ``n_heads`` heads with state ``head_dim × head_dim``; gate bounded below by
-    ``gate_lower_bound`` (the kernel's sub-chunk exponent range relies on it)."""
+    ``gate_lower_bound`` (the kernel's sub-chunk exponent range relies on it). Packed sequences longer than
+    ``segment_tokens`` (None: never) run the kernel in checkpointed segments of that many tokens, so one layer's
+    backward holds one segment's intermediates (``kernels.kda.segments``)."""
 
     n_heads: int = 8
     head_dim: int = 128
     conv_size: int = 4
     gate_lower_bound: float = -5.0
     norm_eps: float = 1e-6
+    segment_tokens: int | None = 262144
 
     def __post_init__(self) -> None:
         require_positive_ints(self, "n_heads", "head_dim", "conv_size")
+        if self.segment_tokens is not None and (self.segment_tokens < 64 or self.segment_tokens % 64):
+            raise ValueError(f"KDAConfig.segment_tokens: must be a positive multiple of 64 (the kernel's chunk) "
+                             f"or null, got {self.segment_tokens}")
         if not -5.0 <= self.gate_lower_bound < 0:
             raise ValueError(f"KDAConfig.gate_lower_bound: must lie in [-5, 0) (kernel exponent range), "
                              f"got {self.gate_lower_bound}")

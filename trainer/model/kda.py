@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.kda import chunk_kda
+from kernels.kda import chunk_kda_segmented
 from trainer.model.config import KDAConfig
 from trainer.model.fused import gated_rms_norm, joint_linear
 from trainer.model.sequence import PackedSequence
@@ -106,7 +106,8 @@ class KDALayer(nn.Module):
             [q, k, v], [self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], seq.positions))
         beta = torch.sigmoid(b.float()).view(1, T, H)
         z = self.g_up(z_low).view(1, T, H, K)
-        o, _ = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=seq.host_cu_seqlens, A_log=self.A_log,
-                         dt_bias=self.dt_bias, g_min=self.config.gate_lower_bound, use_qk_l2norm=True)
+        o, _ = chunk_kda_segmented(q, k, v, z, beta, segment_tokens=self.config.segment_tokens, scale=K ** -0.5,
+                                   cu_seqlens=seq.host_cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
+                                   g_min=self.config.gate_lower_bound, use_qk_l2norm=True)
         o = gated_rms_norm(o.view(T, H, K), self.o_norm.weight, self.o_norm.eps, gate.view(T, H, K))
         return self.o_proj(o.reshape(T, H * K))
