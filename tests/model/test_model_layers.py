@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from trainer.model.attn_res import BlockAttnRes, StandardResiduals
 from trainer.model.config import KDAConfig, MLAConfig
@@ -62,9 +63,11 @@ def test_kda_layer_is_the_design_recurrence_with_state_reset_per_document() -> N
             start += n
 
 
-def test_kda_layer_in_segments_matches_one_pass() -> None:
+@pytest.mark.parametrize("outer_checkpoint", [False, True], ids=["plain", "in-checkpointed-layer"])
+def test_kda_layer_in_segments_matches_one_pass(outer_checkpoint: bool) -> None:
     """segment_tokens cuts a long packed sequence into checkpointed 64-token segments (documents cross their
-    boundaries): the same output and parameter gradients as one pass."""
+    boundaries): the same output and parameter gradients as one pass, also nested in the decoder's per-layer
+    activation checkpoint."""
     torch.manual_seed(0)
     one = KDALayer(D_MODEL, KDAConfig(n_heads=2, head_dim=32, segment_tokens=None))
     cut = KDALayer(D_MODEL, KDAConfig(n_heads=2, head_dim=32, segment_tokens=64))
@@ -72,8 +75,9 @@ def test_kda_layer_in_segments_matches_one_pass() -> None:
     lengths = [100, 30, 70]
     x = torch.randn(sum(lengths), D_MODEL)
     outs = []
+    seq = _seq(lengths, with_mask=False)
     for layer in (one, cut):
-        out = layer(x, _seq(lengths, with_mask=False))
+        out = checkpoint(layer, x, seq, use_reentrant=False) if outer_checkpoint else layer(x, seq)
         out.square().sum().backward()
         outs.append(out.detach())
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
