@@ -1,0 +1,87 @@
+"""Registers, spills and shared memory of every KDA kernel config on sm_90, without a GPU.
+
+    python -m kernels.kda.ptxas_report [--head-dim 128] [--heads 16] [--stages 3]
+
+Triton compiles each autotune config for Hopper here and the `ptxas` it ships reports the machine code's registers
+and spilled bytes (`-v`). A config that spills kilobytes per thread is a lead worth a device call; one that does not
+is no promise of speed. Triton on this machine may differ from the device image's, so its code may differ too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
+
+HOPPER = GPUTarget("cuda", 90, 64)
+FLOAT32_ARGS = {"g", "A_log", "dt_bias", "L", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk"}
+INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets"}
+SCALAR_ARGS = {"scale": "fp32", "T": "i32", "CHAINS": "i32"}
+
+
+def signature(fn: JITFunction, constants: dict) -> dict[str, str]:
+    """Argument types of a bf16 run (g float32), as the chunk_kda wrappers pass them."""
+    def kind(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name in SCALAR_ARGS:
+            return SCALAR_ARGS[name]
+        return "*i32" if name in INT32_ARGS else "*fp32" if name in FLOAT32_ARGS else "*bf16"
+    return {name: kind(name) for name in fn.arg_names}
+
+
+def report(kernel: triton.runtime.Autotuner, constants: dict, config: triton.Config, stages: int) -> str:
+    """One line: the kernel, its config and what ptxas says of it."""
+    fn = kernel.fn
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    constants = constants | config.kwargs
+    compiled = triton.compile(ASTSource(fn, signature(fn, constants), constants), target=HOPPER,
+                              options=dict(num_warps=config.num_warps, num_stages=stages))
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", ptx + ".o"],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (f"{fn.__name__:32} {str(config.kwargs):22} warps={config.num_warps}  registers={regs.group(1)}  "
+            f"spilled stores/loads={spills.group(1)}/{spills.group(2)} B  shared={compiled.metadata.shared} B")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dim", type=int, default=128, help="K = V")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--stages", type=int, default=3, help="num_stages (triton.Config's default is 3)")
+    args = parser.parse_args(argv)
+    shape = dict(H=args.heads, K=args.head_dim, V=args.head_dim, BT=64)
+    gate = dict(USE_GATE=False, HAS_BIAS=False, G_MIN=-5.0, PREC="tf32")
+    kernels = [
+        (chunk_intra.chunk_kda_fwd_intra_kernel, chunk_intra.INTRA_SPACE, shape | gate | dict(BC=16, SOLVE_PREC="tf32")),
+        (chunk_fwd.chunk_kda_fwd_h_kernel, chunk_fwd.STATE_PASS_SPACE,
+         shape | dict(PREC="tf32", USE_H0=False, STORE_HT=False, SAVE_H=True)),
+        (chunk_bwd.chunk_kda_bwd_dh_kernel, chunk_fwd.STATE_PASS_SPACE,
+         shape | dict(PREC="tf32", USE_DHT=False, STORE_DH0=False)),
+        (chunk_bwd.chunk_kda_bwd_dA_kernel, chunk_bwd.DA_SPACE,
+         dict(H=args.heads, V=args.head_dim, BT=64, SLOT=args.head_dim // 32, PREC="tf32")),
+        (chunk_bwd.chunk_kda_bwd_dqkg_kernel, chunk_bwd.DQKG_SPACE, shape | gate | dict(BC=16)),
+    ]
+    for kernel, space, constants in kernels:
+        for meta, warps in space:
+            if max(meta.values()) <= args.head_dim:
+                print(report(kernel, constants, triton.Config(meta, num_warps=warps), args.stages), flush=True)
+
+
+if __name__ == "__main__":
+    main()
