@@ -4,7 +4,9 @@
     python -m kernels.kda.bench --profile 32768   # GPU time per kernel of each implementation, forward + backward
 
 B = 1, H = 16, K = V = 128, bf16 q/k/v, g = -5 sigmoid(randn) in float32, beta in (0, 1), q/k L2-normalised by
-each implementation, plus a 64K varlen batch of 34 documents. Times are medians of `triton.testing.do_bench` (CUDA
+each implementation, plus a 64K varlen batch of 34 documents. `longweave-gate` takes raw bf16 z and computes the
+bounded gate in the kernels; `longweave-segments` is that in checkpointed segments of 128K tokens
+(`chunk_kda_segmented`: one extra forward, a fraction of the memory; run only above 128K). Times are medians of `triton.testing.do_bench` (CUDA
 events). FLOPs count the chunk algorithm's dense matrix products per chunk of C = 64 and head:
 4 C^2 K (A_qk, A_kk) + 2 C^2 (K + V) (w, u) + 2 C^2 V (A_qk v_new) + 6 C K V (w S, q S, k^T v_new) forward,
 and three times that forward + backward. Bytes are the unavoidable traffic: every input read once and every
@@ -21,9 +23,11 @@ from collections.abc import Callable
 import torch
 import triton
 
-from kernels.kda import chunk_kda
+from kernels.kda import chunk_kda, chunk_kda_segmented
 
 H, D, C = 16, 128, 64
+SEGMENT = 131072   # longweave-segments: checkpointed segments of this many tokens (only for longer sequences)
+GATED = {"longweave-gate", "longweave-segments"}   # these take raw bf16 z and compute the bounded gate in-kernel
 PEAK_TFLOPS, PEAK_TBPS = 791.0, 4.25   # measured H200 ceilings (DESIGN.md): bf16 GEMM, device copy
 log = logging.getLogger("kda.bench")
 
@@ -57,6 +61,9 @@ def implementations() -> dict[str, Callable]:
                                              use_qk_l2norm=True),
         "longweave-gate": lambda x, cu: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu,
                                                   A_log=x["A_log"], use_qk_l2norm=True),
+        "longweave-segments": lambda x, cu: chunk_kda_segmented(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                                segment_tokens=SEGMENT, cu_seqlens=cu,
+                                                                A_log=x["A_log"], use_qk_l2norm=True),
     }
     try:
         from fla.ops.kda import chunk_kda as fla_kda
@@ -72,7 +79,7 @@ def implementations() -> dict[str, Callable]:
 
 def measure(name: str, fn: Callable, T: int, cu: torch.Tensor | None) -> dict:
     """Median forward and forward+backward times, rates and peak memory of one implementation at one shape."""
-    x = make_inputs(T, gate=name.endswith("-gate"))
+    x = make_inputs(T, gate=name in GATED)
     inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
     row = dict(impl=name, T=T, docs=1 if cu is None else cu.numel() - 1)
     try:
@@ -96,7 +103,7 @@ def measure(name: str, fn: Callable, T: int, cu: torch.Tensor | None) -> dict:
     if "fwd_ms" in row:
         n_chunks = (T + C - 1) // C
         flops = H * n_chunks * (4 * C * C * D + 2 * C * C * 2 * D + 2 * C * C * D + 6 * C * D * D)
-        in_bytes = T * H * (3 * D * 2 + D * (2 if name.endswith("-gate") else 4) + 2)
+        in_bytes = T * H * (3 * D * 2 + D * (2 if name in GATED else 4) + 2)
         out_bytes = T * H * D * 2
         row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
         row["fwdbwd_TFLOPs"] = 3 * flops / row["fwdbwd_ms"] / 1e9
@@ -110,7 +117,7 @@ def profile_kernels(impls: dict[str, Callable], T: int, repeat: int = 3) -> None
     from torch.profiler import ProfilerActivity, profile
 
     for name, fn in impls.items():
-        x = make_inputs(T, gate=name.endswith("-gate"))
+        x = make_inputs(T, gate=name in GATED)
         do = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
         for _ in range(2):
             fn(x, None)[0].backward(do)
@@ -167,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         for T, cu_seqlens in shapes:
             if T > 2**19 and name == "fla-default":
                 continue  # the safe gate path already shows fla's memory wall at this length
+            if T <= SEGMENT and name == "longweave-segments":
+                continue  # one segment: the same call as longweave-gate
             rows.append(measure(name, fn, T, cu_seqlens))
             log.info(json.dumps(rows[-1]))
     rows.sort(key=lambda r: (r["docs"], r["T"]))

@@ -77,8 +77,13 @@ def chunk_kda_segmented(
     N = len(cu) - 1
     zero = q.new_zeros(1, H, K, V, dtype=torch.float32)
     finals: list[torch.Tensor | None] = [None] * N
+    segments = plan_segments(cu, segment_tokens)
+    # split, not slices: its backward concatenates the pieces' gradients once, where every slice's backward would
+    # allocate a whole-sequence gradient to add into.
+    sizes = [seg.end - seg.start for seg in segments]
+    pieces = zip(*(x.split(sizes, 1) for x in (q, k, v, g, beta)))
     outputs, carried = [], None
-    for seg in plan_segments(cu, segment_tokens):
+    for seg, (q_s, k_s, v_s, g_s, beta_s) in zip(segments, pieces):
         first = [carried] if seg.continues else []
         rest = seg.docs[len(first):]
         if initial_state is not None:
@@ -86,9 +91,8 @@ def chunk_kda_segmented(
         else:
             starts = zero.expand(len(rest), H, K, V)
         h0 = torch.cat([*first, starts]) if first else starts.contiguous()
-        piece = slice(seg.start, seg.end)
-        o, ht = checkpoint(_segment, q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], h0,
-                           torch.tensor(seg.cu, dtype=torch.int32), A_log, dt_bias, kwargs, use_reentrant=False)
+        o, ht = checkpoint(_segment, q_s, k_s, v_s, g_s, beta_s, h0, torch.tensor(seg.cu, dtype=torch.int32),
+                           A_log, dt_bias, kwargs, use_reentrant=False)
         outputs.append(o)
         for i, d in enumerate(seg.docs):
             if seg.ends[i]:
