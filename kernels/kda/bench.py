@@ -3,14 +3,14 @@
     python -m kernels.kda.bench [--lengths 8192 32768 131072 1048576] [--json out.json]
     python -m kernels.kda.bench --profile 32768   # GPU time per kernel of each implementation, forward + backward
 
-B = 1, H = 16, K = V = 128, bf16 q/k/v, g = -5 sigmoid(randn) in float32, beta in (0, 1), q/k L2-normalised by
-each implementation, plus a 64K varlen batch of 34 documents. `longweave-gate` takes raw bf16 z and computes the
-bounded gate in the kernels; `longweave-segments` is that in checkpointed segments of 128K tokens
-(`chunk_kda_segmented`: one extra forward, a fraction of the memory; run only above 128K). Times are medians of `triton.testing.do_bench` (CUDA
-events). FLOPs count the chunk algorithm's dense matrix products per chunk of C = 64 and head:
-4 C^2 K (A_qk, A_kk) + 2 C^2 (K + V) (w, u) + 2 C^2 V (A_qk v_new) + 6 C K V (w S, q S, k^T v_new) forward,
-and three times that forward + backward. Bytes are the unavoidable traffic: every input read once and every
-output written once (forward + backward: inputs and dO read again, every gradient written).
+B = 1, H = 16, K = V = 128, bf16 q/k/v, g = -5 sigmoid(randn) in float32, beta in (0, 1), q/k L2-normalised by each
+implementation, plus a 64K varlen batch of 34 documents. `longweave-gate` takes raw bf16 z and computes the bounded
+gate in the kernels; `longweave-segments` is that in checkpointed segments of 128K tokens (`chunk_kda_segmented`:
+one extra forward, a fraction of the memory; run only above 128K). Times are medians of `triton.testing.do_bench`
+(CUDA events). FLOPs count the chunk algorithm's dense matrix products per chunk of C = 64 and head: 4 C^2 K (A_qk,
+A_kk) + 2 C^2 (K + V) (w, u) + 2 C^2 V (A_qk v_new) + 6 C K V (w S, q S, k^T v_new) forward, and three times that
+forward + backward. Bytes are the unavoidable traffic: every input read once and every output written once (forward
++ backward: inputs and dO read again, every gradient written).
 """
 from __future__ import annotations
 

@@ -16,15 +16,20 @@ from kernels.kda.naive import CHUNK, naive_chunk_kda
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def prepare_chunks(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """chunk_offsets [N+1] (first chunk of each document) and chunks [NT, 2] (start token, document end), int32."""
+def prepare_chunks(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chunk_offsets [N+1] (first chunk of each document), chunks [NT, 2] (start token, document end) and order [N]
+    (documents longest first), int32.
+
+    The state passes run one chain per (document, head) in launch order `order`: when the chains outnumber the GPU's
+    slots, the longest starts first rather than whenever its index comes up (longest-processing-time first)."""
     cu = cu_seqlens.cpu().long()
     n_chunks = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
     offsets = torch.cat([cu.new_zeros(1), n_chunks.cumsum(0)])
     seq = torch.repeat_interleave(torch.arange(n_chunks.numel()), n_chunks)
     local = torch.arange(int(offsets[-1])) - offsets[seq]
     chunks = torch.stack([cu[seq] + local * CHUNK, cu[seq + 1]], 1)
-    return to_device(offsets, device), to_device(chunks, device)
+    order = torch.argsort(n_chunks, descending=True, stable=True)
+    return to_device(offsets, device), to_device(chunks, device), to_device(order, device)
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -54,22 +59,23 @@ class ChunkKDAFunction(torch.autograd.Function):
         V = v.shape[-1]
         q, k, v, g = (x.reshape(1, B * T, H, -1).contiguous() for x in (q, k, v, g))
         beta = beta.reshape(1, B * T, H).contiguous()
-        chunk_offsets, chunks = prepare_chunks(cu_seqlens, q.device)
+        chunk_offsets, chunks, order = prepare_chunks(cu_seqlens, q.device)
         cu_seqlens = to_device(cu_seqlens, q.device)
         h0 = initial_state.float().contiguous() if initial_state is not None else None
         gate = (A_log, dt_bias, g_min)
         prec = _precisions(q.dtype)
         Aqk, Ainv, w, u = chunk_kda_fwd_intra(q, k, v, g, beta, gate, chunks, prec)
         o, ht, h = chunk_kda_fwd_h(q, k, g, gate, w, u, chunks, Aqk, scale, h0, output_final_state,
-                                   any(ctx.needs_input_grad), cu_seqlens, chunk_offsets, prec[0])
+                                   any(ctx.needs_input_grad), cu_seqlens, chunk_offsets, order, prec[0])
         # Everything through save_for_backward, so that activation checkpointing drops and recomputes it too.
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunks, Aqk, Ainv, w, u, h)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, order, chunks,
+                              Aqk, Ainv, w, u, h)
         ctx.meta = (B, T, g_min, scale, h0 is not None, initial_state.dtype if h0 is not None else None)
         return o.view(B, T, H, V), ht
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, dht: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, chunks, *inter = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, order, chunks, *inter = ctx.saved_tensors
         saved = dict(zip(("Aqk", "Ainv", "w", "vn", "h"), inter))
         del inter
         B, T, g_min, scale, has_h0, h0_dtype = ctx.meta
@@ -78,7 +84,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         dht = dht.float().contiguous() if dht is not None else None
         dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(
             q, k, v, g, beta, (A_log, dt_bias, g_min), saved, do, dht, scale, has_h0,
-            cu_seqlens, chunk_offsets, chunks, _precisions(q.dtype)[0])
+            cu_seqlens, chunk_offsets, order, chunks, _precisions(q.dtype)[0])
         dA_log = d_dt_bias = None
         if A_log is not None:
             dA_log, d_dt_bias = _gate_param_grads(dg, g, dt_bias)

@@ -23,12 +23,13 @@ from kernels.kda.tuning import configs, fit_v
                  prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dh_kernel(
-    qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, CHAINS,
+    qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, order, scale, CHAINS,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
+    i_v, i_h = tl.program_id(0), tl.program_id(1) % H
+    i_n = tl.load(order + tl.program_id(1) // H)
+    i_nh = i_n * H + i_h
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -208,7 +209,8 @@ def chunk_kda_bwd_dqkg_kernel(
 
 def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   gate: tuple, saved: dict, do: torch.Tensor, dht: torch.Tensor | None, scale: float, has_h0: bool,
-                  cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, chunks: torch.Tensor, prec: str
+                  cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, order: torch.Tensor, chunks: torch.Tensor,
+                  prec: str
                   ) -> tuple[torch.Tensor, ...]:
     """dq, dk [1, T, H, K]; dv [1, T, H, V]; dg (or dz) [1, T, H, K]; dbeta [1, T, H] fp32; dh0 [N, H, K, V] or None.
 
@@ -227,7 +229,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if has_h0 else None
     qg, kd, gam = chunk_kda_decay(q, k, g, gate, chunks)
     chunk_kda_bwd_dh_kernel[lambda meta: (V // meta["BV"], N * H)](
-        qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, chain_bucket(N * H),
+        qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, order, scale, chain_bucket(N * H),
         H=H, K=K, V=V, BT=64, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec,
     )
     # qg and kd (recomputed here, not saved) are dead now: their memory takes dq and dk.

@@ -66,12 +66,13 @@ def chunk_kda_decay(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tup
                  prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_fwd_h_kernel(
-    qg, kd, gam, w, u, Aqk, o, h, h0, ht, cu_seqlens, chunk_offsets, scale, CHAINS,
+    qg, kd, gam, w, u, Aqk, o, h, h0, ht, cu_seqlens, chunk_offsets, order, scale, CHAINS,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
+    i_v, i_h = tl.program_id(0), tl.program_id(1) % H
+    i_n = tl.load(order + tl.program_id(1) // H)
+    i_nh = i_n * H + i_h
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -112,7 +113,7 @@ def chunk_kda_fwd_h_kernel(
 def chunk_kda_fwd_h(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tuple, w: torch.Tensor,
                     u: torch.Tensor, chunks: torch.Tensor, Aqk: torch.Tensor, scale: float,
                     initial_state: torch.Tensor | None, output_final_state: bool, save_h: bool,
-                    cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, prec: str
+                    cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, order: torch.Tensor, prec: str
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """o [1, T, H, V]; final state [N, H, K, V] fp32; h [NT, H, K, V] (state at each chunk start).
 
@@ -126,7 +127,7 @@ def chunk_kda_fwd_h(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tup
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     qg, kd, gam = chunk_kda_decay(q, k, g, gate, chunks)
     chunk_kda_fwd_h_kernel[lambda meta: (V // meta["BV"], N * H)](
-        qg, kd, gam, w, u, Aqk, o, h, initial_state, ht, cu_seqlens, chunk_offsets, scale, chain_bucket(N * H),
+        qg, kd, gam, w, u, Aqk, o, h, initial_state, ht, cu_seqlens, chunk_offsets, order, scale, chain_bucket(N * H),
         H=H, K=K, V=V, BT=64, USE_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_H=save_h, PREC=prec,
     )
     return o, ht, h

@@ -24,7 +24,7 @@ from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
 
 HOPPER = GPUTarget("cuda", 90, 64)
 FLOAT32_ARGS = {"g", "A_log", "dt_bias", "L", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk"}
-INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets"}
+INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 SCALAR_ARGS = {"scale": "fp32", "T": "i32", "CHAINS": "i32"}
 
 
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     shape = dict(H=args.heads, K=args.head_dim, V=args.head_dim, BT=64)
     gate = dict(USE_GATE=False, HAS_BIAS=False, G_MIN=-5.0, PREC="tf32")
     kernels = [
-        (chunk_intra.chunk_kda_fwd_intra_kernel, chunk_intra.INTRA_SPACE, shape | gate | dict(BC=16, SOLVE_PREC="tf32")),
+        (chunk_intra.chunk_kda_fwd_intra_kernel, chunk_intra.INTRA_SPACE,
+         shape | gate | dict(BC=16, SOLVE_PREC="tf32")),
         (chunk_fwd.chunk_kda_fwd_h_kernel, chunk_fwd.STATE_PASS_SPACE,
          shape | dict(PREC="tf32", USE_H0=False, STORE_HT=False, SAVE_H=True)),
         (chunk_bwd.chunk_kda_bwd_dh_kernel, chunk_fwd.STATE_PASS_SPACE,
