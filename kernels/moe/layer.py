@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .balance import Method, QuantileBalancer
 from .grouped_gemm import BACKENDS, Backend, _grouped_mm, resolve_backend
-from .permute import combine, expert_counts, permute, plan_routing
+from .permute import RoutingPlan, combine, expert_counts, permute, plan_routing
 from .router import _route
 from .stats import LoadStats
 from .swiglu import swiglu
@@ -110,23 +110,28 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must end in d_model={self.d_model}, got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
         routing = _route(tokens, self.router, self.balancer.bias, self.top_k, self.gate_scale)
-        self.last_load = expert_counts(routing.expert_idx, self.n_experts)
         if self.training and not recomputing():
             self.balancer.observe(routing.scores, routing.alpha, routing.expert_idx)
         backend = resolve_backend(self.backend, tokens)
         size = self.slice_tokens
         if size is None or tokens.shape[0] <= size:
-            out = self._experts(tokens, routing.gates, routing.expert_idx, backend)
+            plan = plan_routing(routing.expert_idx, self.n_experts)
+            self.last_load = plan.counts
+            out = self._experts(tokens, routing.gates, plan, backend)
         else:
+            self.last_load = expert_counts(routing.expert_idx, self.n_experts)
             pieces = zip(tokens.split(size), routing.gates.split(size), routing.expert_idx.split(size))
-            out = torch.cat([checkpoint(self._experts, *piece, backend, use_reentrant=False) for piece in pieces])
+            out = torch.cat([checkpoint(self._slice, *piece, backend, use_reentrant=False) for piece in pieces])
         return out.view(x.shape)
 
-    def _experts(self, tokens: torch.Tensor, gates: torch.Tensor, expert_idx: torch.Tensor,
-                 backend: str) -> torch.Tensor:
-        """Routed plus shared experts of tokens `[T, d]` with their gates and experts `[T, k]`: every per-token
-        buffer after the router, so one slice's call holds all of them."""
-        plan = plan_routing(expert_idx, self.n_experts)
+    def _slice(self, tokens: torch.Tensor, gates: torch.Tensor, expert_idx: torch.Tensor, backend: str
+               ) -> torch.Tensor:
+        """One slice of tokens `[T, d]` with its gates and experts `[T, k]`: its own routing plan and experts, so
+        one checkpointed call holds every per-token buffer after the router."""
+        return self._experts(tokens, gates, plan_routing(expert_idx, self.n_experts), backend)
+
+    def _experts(self, tokens: torch.Tensor, gates: torch.Tensor, plan: RoutingPlan, backend: str) -> torch.Tensor:
+        """Routed plus shared experts of tokens `[T, d]`, their gates `[T, k]` and routing plan."""
         y = moe_experts(permute(tokens, plan, backend), self.w13, self.w2, plan.offs, backend)
         out = combine(y, gates, plan, backend)
         if self.shared13 is not None:
