@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import anchor_exponents
+from kernels.kda.chunk_intra import anchor_exponents, sub_chunk_anchor
 from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chain_bucket, chunk_kda_decay
 from kernels.kda.gate import load_log_decay, log_decay_grad
 from kernels.kda.tuning import configs, fit_v
@@ -164,7 +164,7 @@ def chunk_kda_bwd_dqkg_kernel(
                  input_precision=PREC)
     p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
     b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
-    b_gam = tl.sum(tl.where((o_t == BT - 1)[:, None], b_G, 0.), 0)
+    b_gam = sub_chunk_anchor(b_G, BT // BC, BT, BC)   # the whole chunk's log-decay
     b_eG = tl.exp(b_G)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
@@ -190,7 +190,7 @@ def chunk_kda_bwd_dqkg_kernel(
     # dk as a writer: through k exp(gamma - G) in the state update and k_j exp(-G_j) in both Gram matrices.
     b_dkw = b_dkd * tl.exp(b_gam[None, :] - b_G)
     b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dkw, 0)
-    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)   # read again, not kept since dq
     b_kb = b_k * b_beta[:, None]
     for a in range(BT // BC):
         e_row, e_col = anchor_exponents(b_G, a, BT, BC)

@@ -25,11 +25,17 @@ INTRA_SPACE = [({"BV": 32}, 8), ({"BV": 64}, 8), ({"BV": 128}, 8), ({"BV": 64}, 
 
 
 @triton.jit
+def sub_chunk_anchor(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
+    """c_a [BK]: the chunk's cumulative log-decay b_G [BT, BK] just before sub-chunk a (0 for the first; the whole
+    chunk's decay for a = BT // BC), read out exactly."""
+    return tl.sum(tl.where((tl.arange(0, BT) == a * BC - 1)[:, None], b_G, 0.), 0)
+
+
+@triton.jit
 def anchor_exponents(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
-    """exp(G - c_a) on the rows of sub-chunk a (else 0) and exp(c_a - G) on tokens up to its end (else 0), with
-    c_a = G just before sub-chunk a (0 for the first)."""
+    """exp(G - c_a) on the rows of sub-chunk a (else 0) and exp(c_a - G) on tokens up to its end (else 0)."""
     o_t = tl.arange(0, BT)
-    b_c = tl.sum(tl.where((o_t == a * BC - 1)[:, None], b_G, 0.), 0)
+    b_c = sub_chunk_anchor(b_G, a, BT, BC)
     m_row = (o_t >= a * BC) & (o_t < a * BC + BC)
     m_col = o_t < a * BC + BC
     e_row = tl.exp(tl.where(m_row[:, None], b_G - b_c[None, :], float("-inf")))
@@ -84,7 +90,7 @@ def gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, b_k, b_G, t0, te, i_h, a,
     r0 = t0 + a * BC
     rows = r0 + o_c
     m_r = rows < te
-    b_c = tl.sum(tl.where((o_t == a * BC - 1)[:, None], b_G, 0.), 0)   # c_a (0 for the first sub-chunk)
+    b_c = sub_chunk_anchor(b_G, a, BT, BC)
     b_kct = tl.trans(b_k * tl.exp(tl.where((o_t < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf"))))
     b_er = tl.exp(tl.cumsum(load_log_decay(g + rows[:, None] * (H * K) + i_h * K + o_k[None, :], m_r,
                                            A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0))

@@ -67,10 +67,9 @@ def chunk_kda_segmented(
     (packed) sequence is longer than that (None: never); B must be 1 when it is (pack batches with cu_seqlens)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    common = dict(A_log=A_log, dt_bias=dt_bias, **kwargs)
     if segment_tokens is None or T <= segment_tokens:
         return chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                         output_final_state=output_final_state, **common)
+                         output_final_state=output_final_state, A_log=A_log, dt_bias=dt_bias, **kwargs)
     if B != 1:
         raise ValueError(f"segments need one packed sequence (B == 1 with cu_seqlens), got B={B}")
     cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, T]
