@@ -6,21 +6,22 @@ light Beam workers: no torch, no encoder imports here.
 One image token covers one merged patch of ``patch * merge`` pixels per side (14 × 2 = 28). An image is resized,
 keeping its aspect ratio, so that each side is a multiple of 28 and the token count lies in
 ``[min_tokens, max_tokens]``. The resize follows one scale factor ``s``: each side becomes
-``max(1, round(s * side / 28))`` merged patches. ``s = 1`` when the native size already fits; otherwise ``s`` is the
-largest scale below 1 (or the smallest above 1) whose grid fits the bounds. Because the grid is a non-decreasing
-function of ``s`` along one path, scaling an image up never yields fewer tokens, and each side stays within one merged
-patch of the exactly scaled side.
+``max(1, floor(s * side / 28 + 1/2))`` merged patches (rounded half up). ``s = 1`` when the native size already
+fits; otherwise the grid is the one of the largest feasible scale below 1 (or the smallest above 1).
+
+The grid only changes where one side's ``s * side / 28`` crosses a half-integer (a breakpoint), so the search runs
+over those breakpoints in exact integer arithmetic: no float can round one side differently from the other or one
+image differently from the same image scaled up. Hence scaling an image up never yields fewer tokens, and each side
+stays within half a merged patch of the exactly scaled side. Stored images are already on the grid (sides multiples
+of 28 within the bounds) and keep it unchanged, whatever version of this search resized them.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import math
 
 __all__ = ["VisionPolicy", "GeometryError", "target_size", "image_tokens", "merged_grid"]
-
-_SEARCH_STEPS = 64  # bisection steps on the scale; 2^-64 relative resolution is far below one pixel
 
 
 class GeometryError(ValueError):
@@ -70,13 +71,44 @@ class VisionPolicy:
 DEFAULT_POLICY = VisionPolicy()
 
 
-def _grid_at(scale: float, height: int, width: int, unit: int) -> tuple[int, int]:
-    return max(1, round(scale * height / unit)), max(1, round(scale * width / unit))
+def _side(scale_num: int, scale_den: int, side: int, unit: int) -> int:
+    """``max(1, floor(s·side/unit + 1/2))`` for ``s = scale_num / scale_den``, exactly."""
+    return max(1, (2 * scale_num * side + scale_den * unit) // (2 * scale_den * unit))
 
 
-def _tokens_at(scale: float, height: int, width: int, unit: int) -> int:
-    rows, cols = _grid_at(scale, height, width, unit)
-    return rows * cols
+def _grid_at_break(n: int, side: int, other: int, unit: int) -> tuple[int, int]:
+    """Grid ``(along side, along other)`` at the scale where ``side`` reaches ``n + 1`` merged patches,
+    ``s = (2n + 1)·unit / (2·side)``."""
+    return n + 1, _side((2 * n + 1) * unit, 2 * side, other, unit)
+
+
+def _last_true(lo: int, hi: int, ok) -> int | None:
+    """Largest ``n`` in ``[lo, hi]`` with ``ok(n)`` for a predicate true on a prefix; None if ``ok(lo)`` fails."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _axis_candidate(side: int, other: int, policy: VisionPolicy, shrink: bool) -> tuple[int, tuple[int, int]] | None:
+    """The feasible breakpoint of ``side`` closest to scale 1 (below it when shrinking, above it when growing), as
+    ``(n, grid)``; grids are ``(along side, along other)``."""
+    unit = policy.unit
+
+    def tokens(n: int) -> int:
+        a, b = _grid_at_break(n, side, other, unit)
+        return a * b
+
+    if shrink:  # breakpoints below 1: (2n + 1)·unit < 2·side
+        n = _last_true(0, (2 * side - unit - 1) // (2 * unit), lambda n: tokens(n) <= policy.max_tokens)
+    else:  # breakpoints above 1: (2n + 1)·unit > 2·side; n + 1 >= min_tokens rows always suffice
+        first = max(0, (2 * side - unit) // (2 * unit) + 1)
+        last = max(first, policy.min_tokens)
+        count = _last_true(first, last, lambda n: tokens(n) < policy.min_tokens)
+        n = first if count is None else count + 1
+    return None if n is None else (n, _grid_at_break(n, side, other, unit))
 
 
 def merged_grid(height: int, width: int, policy: VisionPolicy = DEFAULT_POLICY) -> tuple[int, int]:
@@ -93,32 +125,24 @@ def merged_grid(height: int, width: int, policy: VisionPolicy = DEFAULT_POLICY) 
         raise GeometryError(
             f"image {height}×{width} has aspect ratio {aspect:.1f} > policy max_aspect_ratio {policy.max_aspect_ratio}"
         )
-    tokens = _tokens_at(1.0, height, width, unit)
-    if policy.min_tokens <= tokens <= policy.max_tokens:
-        return _grid_at(1.0, height, width, unit)
-    if tokens > policy.max_tokens:
-        # Largest scale in (0, 1) whose grid still fits: bisection keeps `lo` feasible throughout.
-        lo, hi = 0.0, 1.0
-        for _ in range(_SEARCH_STEPS):
-            mid = (lo + hi) / 2
-            if _tokens_at(mid, height, width, unit) <= policy.max_tokens:
-                lo = mid
-            else:
-                hi = mid
-        return _grid_at(lo, height, width, unit)
-    # Smallest scale above 1 that reaches min_tokens: `hi` stays feasible throughout.
-    lo, hi = 1.0, 2.0
-    while _tokens_at(hi, height, width, unit) < policy.min_tokens:
-        lo, hi = hi, hi * 2
-    for _ in range(_SEARCH_STEPS):
-        mid = (lo + hi) / 2
-        if _tokens_at(mid, height, width, unit) >= policy.min_tokens:
-            hi = mid
-        else:
-            lo = mid
-    rows, cols = _grid_at(hi, height, width, unit)
-    assert rows * cols <= policy.max_tokens, "the policy's 4x gap between min and max tokens guarantees a fit"
-    return rows, cols
+    native = (_side(1, 1, height, unit), _side(1, 1, width, unit))
+    if policy.min_tokens <= native[0] * native[1] <= policy.max_tokens:
+        return native
+    shrink = native[0] * native[1] > policy.max_tokens
+    by_rows = _axis_candidate(height, width, policy, shrink)
+    by_cols = _axis_candidate(width, height, policy, shrink)
+    if by_cols is not None:
+        by_cols = by_cols[0], by_cols[1][::-1]
+    if by_rows is None or by_cols is None:
+        found = by_rows or by_cols
+        grid = (1, 1) if found is None else found[1]  # no breakpoint fits below 1: the grid of the smallest scales
+    else:
+        # Breakpoint scales (2n + 1)·unit / (2·side) compared by cross-multiplication: the later one when
+        # shrinking (the last feasible interval), the earlier one when growing (the first feasible one).
+        rows_later = (2 * by_rows[0] + 1) * width > (2 * by_cols[0] + 1) * height
+        grid = by_rows[1] if rows_later == shrink else by_cols[1]
+    assert grid[0] * grid[1] <= policy.max_tokens, "the policy's 4x gap between min and max tokens guarantees a fit"
+    return grid
 
 
 def target_size(height: int, width: int, policy: VisionPolicy = DEFAULT_POLICY) -> tuple[int, int]:
