@@ -71,6 +71,16 @@ def test_known_sizes() -> None:
     assert image_tokens(8000, 6000) <= DEFAULT_POLICY.max_tokens
 
 
+def test_ties_are_exact() -> None:
+    """Where a side's scaled size is exactly half-way, floats used to round the two sides (or an image and its
+    3x copy) differently."""
+    policy = VisionPolicy(min_tokens=4, max_tokens=256, max_aspect_ratio=50)
+    assert image_tokens(3528, 72, policy) == image_tokens(10584, 216, policy) == 244
+    # Both sides reach their next patch at the same scale (3 x 350 > 1024): the grid just below that scale.
+    assert merged_grid(145, 20271) == (2, 349)
+    assert merged_grid(28 * 10 + 14, 28 * 10) == (11, 10)   # half up at the native scale
+
+
 def test_rejects_bad_shapes_and_policies() -> None:
     with pytest.raises(GeometryError, match="aspect ratio"):
         image_tokens(10, 10 * 500)
