@@ -2,6 +2,7 @@
 
     python -m kernels.kda.bench [--lengths 8192 32768 131072 1048576] [--json out.json]
     python -m kernels.kda.bench --profile 32768   # GPU time per kernel of each implementation, forward + backward
+    python -m kernels.kda.bench --profile 65536 --varlen   # the same on the varlen batch
 
 B = 1, H = 16, K = V = 128, bf16 q/k/v, g = -5 sigmoid(randn) in float32, beta in (0, 1), q/k L2-normalised by each
 implementation, plus a 64K varlen batch of 34 documents. `longweave-gate` takes raw bf16 z and computes the bounded
@@ -112,7 +113,12 @@ def measure(name: str, fn: Callable, T: int, cu: torch.Tensor | None) -> dict:
     return row
 
 
-def profile_kernels(impls: dict[str, Callable], T: int, repeat: int = 3) -> None:
+def varlen_batch(total: int = 65536, docs: int = 34) -> torch.Tensor:
+    """cu_seqlens of the varlen batch: real-looking document lengths packed into one sequence."""
+    return torch.tensor([0, *torch.tensor(doc_lengths(total, docs)).cumsum(0).tolist()], device="cuda")
+
+
+def profile_kernels(impls: dict[str, Callable], T: int, cu: torch.Tensor | None, repeat: int = 3) -> None:
     """Print each implementation's GPU kernels by total time over `repeat` warm forward + backward passes."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -120,13 +126,14 @@ def profile_kernels(impls: dict[str, Callable], T: int, repeat: int = 3) -> None
         x = make_inputs(T, gate=name in GATED)
         do = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
         for _ in range(2):
-            fn(x, None)[0].backward(do)
+            fn(x, cu)[0].backward(do)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(repeat):
-                fn(x, None)[0].backward(do)
+                fn(x, cu)[0].backward(do)
             torch.cuda.synchronize()
-        print(f"== {name} T={T}, {repeat} forward+backward passes")
+        docs = 1 if cu is None else cu.numel() - 1
+        print(f"== {name} T={T} docs={docs}, {repeat} forward+backward passes")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
         del x, do
         torch.cuda.empty_cache()
@@ -157,17 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="write the raw rows here")
     parser.add_argument("--profile", type=int, default=None, metavar="T",
                         help="instead of timing, print the GPU kernels of each implementation at length T")
+    parser.add_argument("--varlen", action="store_true", help="profile the varlen batch (T = 65536 then)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     impls = implementations()
     if args.impls:
         impls = {n: f for n, f in impls.items() if n in args.impls}
     if args.profile:
-        profile_kernels(impls, args.profile)
+        profile_kernels(impls, 65536 if args.varlen else args.profile, varlen_batch() if args.varlen else None)
         return
-    varlen = 65536
-    cu = torch.tensor([0, *torch.tensor(doc_lengths(varlen, 34)).cumsum(0).tolist()], device="cuda")
-    shapes = [(T, None) for T in args.lengths] + [(varlen, cu)]
+    shapes = [(T, None) for T in args.lengths] + [(65536, varlen_batch())]
     rows = []
     # Implementation by implementation, so a run cut short still holds every shape of the first ones.
     for name, fn in impls.items():
