@@ -11,6 +11,7 @@ state of the segment where it is cut is the initial state of its rest, and gradi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -48,6 +49,32 @@ def plan_segments(cu_seqlens: list[int], size: int) -> list[Segment]:
     return segments
 
 
+def scan_segments(cu: list[int], size: int, initial_state: torch.Tensor | None, like: torch.Tensor,
+                  state_shape: tuple[int, int, int],
+                  run: Callable[[int, Segment, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Drive `run(i, segment, h0) -> (output, final states of the segment's documents)` over the segments of
+    cu_seqlens `cu`, last state of a cut document in as the first initial state of the next segment. Returns the
+    outputs and each document's final state (None for empty documents). `run` owns the checkpointing, so a caller
+    can checkpoint more than the kernel (the model's KDA layer runs its projections per segment too)."""
+    H, K, V = state_shape
+    zero = like.new_zeros(1, H, K, V, dtype=torch.float32)
+    finals: list[torch.Tensor | None] = [None] * (len(cu) - 1)
+    outputs, carried = [], None
+    for i, seg in enumerate(plan_segments(cu, size)):
+        first = [carried] if seg.continues else []
+        rest = seg.docs[len(first):]
+        starts = initial_state[rest].float() if initial_state is not None else zero.expand(len(rest), H, K, V)
+        h0 = torch.cat([*first, starts]) if first else starts.contiguous()
+        o, ht = run(i, seg, h0)
+        outputs.append(o)
+        for j, d in enumerate(seg.docs):
+            if seg.ends[j]:
+                finals[d] = ht[j]
+        carried = None if seg.ends[-1] else ht[-1:]
+    return outputs, finals
+
+
 def chunk_kda_segmented(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -73,36 +100,23 @@ def chunk_kda_segmented(
     if B != 1:
         raise ValueError(f"segments need one packed sequence (B == 1 with cu_seqlens), got B={B}")
     cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, T]
-    N = len(cu) - 1
-    zero = q.new_zeros(1, H, K, V, dtype=torch.float32)
-    finals: list[torch.Tensor | None] = [None] * N
-    segments = plan_segments(cu, segment_tokens)
     # split, not slices: its backward concatenates the pieces' gradients once, where every slice's backward would
     # allocate a whole-sequence gradient to add into.
-    sizes = [seg.end - seg.start for seg in segments]
-    pieces = zip(*(x.split(sizes, 1) for x in (q, k, v, g, beta)))
-    outputs, carried = [], None
-    for seg, (q_s, k_s, v_s, g_s, beta_s) in zip(segments, pieces):
-        first = [carried] if seg.continues else []
-        rest = seg.docs[len(first):]
-        if initial_state is not None:
-            starts = initial_state[rest].float()
-        else:
-            starts = zero.expand(len(rest), H, K, V)
-        h0 = torch.cat([*first, starts]) if first else starts.contiguous()
-        o, ht = checkpoint(_segment, q_s, k_s, v_s, g_s, beta_s, h0, torch.tensor(seg.cu, dtype=torch.int32),
-                           A_log, dt_bias, kwargs, use_reentrant=False)
-        outputs.append(o)
-        for i, d in enumerate(seg.docs):
-            if seg.ends[i]:
-                finals[d] = ht[i]
-        carried = None if seg.ends[-1] else ht[-1:]
+    sizes = [seg.end - seg.start for seg in plan_segments(cu, segment_tokens)]
+    pieces = list(zip(*(x.split(sizes, 1) for x in (q, k, v, g, beta))))
+
+    def run(i: int, seg: Segment, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return checkpoint(_segment, *pieces[i], h0, torch.tensor(seg.cu, dtype=torch.int32), A_log, dt_bias,
+                          kwargs, use_reentrant=False)
+
+    outputs, finals = scan_segments(cu, segment_tokens, initial_state, q, (H, K, V), run)
     o = torch.cat(outputs, 1)
     if not output_final_state:
         return o, None
-    for d in range(N):   # empty documents end where they began
-        if finals[d] is None:
-            finals[d] = initial_state[d].float() if initial_state is not None else zero[0]
+    zero = q.new_zeros(H, K, V, dtype=torch.float32)
+    for d, final in enumerate(finals):   # empty documents end where they began
+        if final is None:
+            finals[d] = initial_state[d].float() if initial_state is not None else zero
     return o, torch.stack(finals)
 
 

@@ -65,24 +65,28 @@ def test_kda_layer_is_the_design_recurrence_with_state_reset_per_document() -> N
 
 @pytest.mark.parametrize("outer_checkpoint", [False, True], ids=["plain", "in-checkpointed-layer"])
 def test_kda_layer_in_segments_matches_one_pass(outer_checkpoint: bool) -> None:
-    """segment_tokens cuts a long packed sequence into checkpointed 64-token segments (documents cross their
-    boundaries): the same output and parameter gradients as one pass, also nested in the decoder's per-layer
+    """segment_tokens cuts a long packed sequence into checkpointed 64-token segments of the whole layer (documents
+    and the short convolutions cross their boundaries): the same output, input and parameter gradients as one pass, also nested in the decoder's per-layer
     activation checkpoint."""
     torch.manual_seed(0)
     one = KDALayer(D_MODEL, KDAConfig(n_heads=2, head_dim=32, segment_tokens=None))
     cut = KDALayer(D_MODEL, KDAConfig(n_heads=2, head_dim=32, segment_tokens=64))
     cut.load_state_dict(one.state_dict())
     lengths = [100, 30, 70]
-    x = torch.randn(sum(lengths), D_MODEL)
-    outs = []
+    outs, x_grads = [], []
     seq = _seq(lengths, with_mask=False)
+    x0 = torch.randn(sum(lengths), D_MODEL)
     for layer in (one, cut):
+        x = x0.clone().requires_grad_()
         out = checkpoint(layer, x, seq, use_reentrant=False) if outer_checkpoint else layer(x, seq)
         out.square().sum().backward()
         outs.append(out.detach())
+        x_grads.append(x.grad)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_grads[1], x_grads[0], rtol=1e-4, atol=1e-6)
     for (name, p1), p2 in zip(one.named_parameters(), cut.parameters()):
-        torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-4, atol=1e-6, msg=name)
+        # Weight gradients are now sums over segments: float32 summation order, about 2e-7 relative here.
+        assert (p2.grad - p1.grad).norm() <= 1e-5 * p1.grad.norm(), name
 
 
 def test_kda_segment_size_is_a_multiple_of_the_chunk() -> None:

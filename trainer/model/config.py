@@ -24,8 +24,8 @@ LAYER_KINDS = ("kda", "mla")
 class KDAConfig:
     """Kimi Delta Attention mixer: ``n_heads`` heads with state ``head_dim × head_dim``; gate bounded below by
     ``gate_lower_bound`` (the kernel's sub-chunk exponent range relies on it). Packed sequences longer than
-    ``segment_tokens`` (None: never) run the kernel in checkpointed segments of that many tokens, so one layer's
-    backward holds one segment's intermediates (``kernels.kda.segments``)."""
+    ``segment_tokens`` (None: never) run the whole layer in checkpointed segments of that many tokens, so one
+    layer's backward holds one segment's projections and kernel intermediates (``kernels.kda.segments``)."""
 
     n_heads: int = 8
     head_dim: int = 128

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from kernels.kda import chunk_kda_segmented
+from kernels.kda import chunk_kda
+from kernels.kda.segments import Segment, plan_segments, scan_segments
 from trainer.model.config import KDAConfig
 from trainer.model.fused import gated_rms_norm, joint_linear
 from trainer.model.sequence import PackedSequence
@@ -98,16 +100,48 @@ class KDALayer(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: PackedSequence) -> torch.Tensor:
         T = x.shape[0]
+        size = self.config.segment_tokens
+        if size is None or T <= size:
+            return self._mix(x, None, seq.positions, seq.host_cu_seqlens, None)[0]
+        # The whole layer (projections, convolutions, kernel, output) in checkpointed segments: a recompute holds one
+        # segment's projections and gradients, not the sequence's (at 1M tokens these outweigh the kernel's own).
+        # Each segment also reads the conv_size - 1 tokens before it, which its positions zero where a document
+        # starts. Pieces by split (and the halo cut from the previous piece), so no backward allocates a gradient
+        # of the whole sequence per segment.
+        halo = self.config.conv_size - 1
+        cu = seq.host_cu_seqlens.tolist()
+        sizes = [seg.end - seg.start for seg in plan_segments(cu, size)]
+        pieces = x.split(sizes)
+
+        def run(i: int, seg: Segment, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            before = pieces[i - 1][-halo:] if i else None
+            lo = seg.start - (0 if before is None else before.shape[0])
+            return checkpoint(self._mix, pieces[i], before, seq.positions[lo:seg.end],
+                              torch.tensor(seg.cu, dtype=torch.int32), h0, use_reentrant=False)
+
+        H, K = self.config.n_heads, self.config.head_dim
+        outputs, _ = scan_segments(cu, size, None, x, (H, K, K), run)
+        return torch.cat(outputs)
+
+    def _mix(self, x: torch.Tensor, before: torch.Tensor | None, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+             h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer over tokens x of the documents in cu_seqlens (local to x) from initial states h0 (None: zero, and
+        no final states out); ``before``: the tokens just before x, which only feed the convolutions (positions
+        cover both)."""
+        halo = 0 if before is None else before.shape[0]
+        if before is not None:
+            x = torch.cat([before, x])
         H, K = self.config.n_heads, self.config.head_dim
         # The six projections of x as one GEMM; q, k, v through their three short convolutions in one fused pass.
         q, k, v, b, z_low, gate = joint_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_down,
                                                self.gate_proj)
-        q, k, v = (t.view(1, T, H, K) for t in short_conv_silu(
-            [q, k, v], [self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], seq.positions))
-        beta = torch.sigmoid(b.float()).view(1, T, H)
-        z = self.g_up(z_low).view(1, T, H, K)
-        o, _ = chunk_kda_segmented(q, k, v, z, beta, segment_tokens=self.config.segment_tokens, scale=K ** -0.5,
-                                   cu_seqlens=seq.host_cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
-                                   g_min=self.config.gate_lower_bound, use_qk_l2norm=True)
-        o = gated_rms_norm(o.view(T, H, K), self.o_norm.weight, self.o_norm.eps, gate.view(T, H, K))
-        return self.o_proj(o.reshape(T, H * K))
+        q, k, v = short_conv_silu([q, k, v], [self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], positions)
+        T = x.shape[0] - halo
+        q, k, v = (t[halo:].view(1, T, H, K) for t in (q, k, v))
+        beta = torch.sigmoid(b[halo:].float()).view(1, T, H)
+        z = self.g_up(z_low[halo:]).view(1, T, H, K)
+        o, ht = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=cu_seqlens, initial_state=h0,
+                          output_final_state=h0 is not None, A_log=self.A_log, dt_bias=self.dt_bias,
+                          g_min=self.config.gate_lower_bound, use_qk_l2norm=True)
+        o = gated_rms_norm(o.view(T, H, K), self.o_norm.weight, self.o_norm.eps, gate[halo:].view(T, H, K))
+        return self.o_proj(o.reshape(T, H * K)), ht
