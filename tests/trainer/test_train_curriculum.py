@@ -175,3 +175,11 @@ def test_device_recipe_plans_every_stage(name: str) -> None:
     assert [(p.stage, p.micro_batch, p.grad_accum) for p in plans] == [
         ("8k", 16, 8), ("64k", 2, 8), ("256k", 1, 4), ("1m", 1, 1)]
     assert all(p.steps >= 1 for p in plans) and not config.save_checkpoints and config.activation_checkpointing
+
+
+def test_device_recipe_of_the_1m_step_alone() -> None:
+    from trainer.config import load_train_config
+
+    config = load_train_config(Path(__file__).parents[2] / "devrun" / "gpu_small_1m.yaml")
+    plans = [plan_stage(config, stage, world_size=1) for stage in config.stages]
+    assert [(p.stage, p.seq_len, p.micro_batch, p.grad_accum, p.steps) for p in plans] == [("1m", 1048576, 1, 1, 1)]
