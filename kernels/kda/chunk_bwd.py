@@ -9,13 +9,11 @@ dG = q dq + k dk_read - k dk_write, and dg is its reverse cumulative sum plus th
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import anchor_exponents, load_rows, sub_chunk_anchor, sub_chunk_rows
+from kernels.kda.chunk_intra import anchor_exponents, sub_chunk_anchor
 from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chain_bucket, chunk_kda_decay
 from kernels.kda.gate import load_log_decay, log_decay_grad
 from kernels.kda.tuning import configs, fit_v
@@ -129,7 +127,7 @@ def chunk_kda_bwd_dqkg_kernel(
     q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
-    PREC: tl.constexpr, SLICED: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """dq, dk, dg (or dz) and the rest of dbeta for one K block: the state products, then the gated Gram
     matrices' gradients with the forward's sub-chunk anchors."""
@@ -137,7 +135,6 @@ def chunk_kda_bwd_dqkg_kernel(
     t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
     te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
     o_t = tl.arange(0, BT)
-    o_c = tl.arange(0, BC)
     rows = t0 + o_t
     m_t = rows < te
     o_k = i_k * BK + tl.arange(0, BK)
@@ -172,32 +169,20 @@ def chunk_kda_bwd_dqkg_kernel(
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
 
-    # dq = scale dO S^T exp(G) + sum_j dA_qk[i, j] k_j exp(G_i - G_j), and through X = diag(beta) (V - K exp(G) S)
-    # R = sum_j dA_kk[i, j] k_j exp(G_i - G_j) (then dk as a reader).
+    # Phases, each finished before the next, so few [BT, BK] tiles are alive at once.
+    # dq = scale dO S^T exp(G) + sum_j dA_qk[i, j] k_j exp(G_i - G_j), sub-chunk anchors on the rows.
     b_dq = b_dqs * scale * b_eG
-    b_X = -b_eG * b_P
-    if SLICED:
-        # Anchored on the column sub-chunk b: [BT, BC] x [BC, BK] products, each dA column slice read once.
-        for b in range(BT // BC):
-            b_c = sub_chunk_anchor(b_G, b, BT, BC)
-            b_kc = load_rows(k, t0 + b * BC, te, i_h, o_k, H, K, BC) * tl.exp(
-                b_c[None, :] - sub_chunk_rows(b_G, b, BT, BC))
-            e_row = tl.exp(tl.where((o_t >= b * BC)[:, None], b_G - b_c[None, :], float("-inf")))
-            p_Ab = rows[:, None] * (H * BT) + i_h * BT + b * BC + o_c[None, :]
-            b_dq += e_row * tl.dot(tl.load(dAqk + p_Ab, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC)
-            b_X += e_row * tl.dot(tl.load(dAkk + p_Ab, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC)
-    else:
-        # Phases, each finished before the next, so few [BT, BK] tiles are alive at once; anchors on the rows.
-        for a in range(BT // BC):
-            e_row, e_col = anchor_exponents(b_G, a, BT, BC)
-            b_dq += e_row * tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_k * e_col,
-                                   input_precision=PREC)
-        for a in range(BT // BC):
-            e_row, e_col = anchor_exponents(b_G, a, BT, BC)
-            b_X += e_row * tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_k * e_col,
-                                  input_precision=PREC)
+    for a in range(BT // BC):
+        e_row, e_col = anchor_exponents(b_G, a, BT, BC)
+        b_dq += e_row * tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_k * e_col, input_precision=PREC)
     tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
     b_dG = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32) * b_dq
+
+    # Through X = diag(beta) (V - K exp(G) S): R = sum_j dA_kk[i, j] k_j exp(G_i - G_j), then dk as a reader.
+    b_X = -b_eG * b_P
+    for a in range(BT // BC):
+        e_row, e_col = anchor_exponents(b_G, a, BT, BC)
+        b_X += e_row * tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_k * e_col, input_precision=PREC)
     tl.store(dbeta + i_k * T * H + rows * H + i_h, tl.sum(b_k * b_X, 1), mask=m_t)
     b_dk = b_beta[:, None] * b_X                        # dk_read
     b_dG += b_k * b_dk
@@ -205,28 +190,13 @@ def chunk_kda_bwd_dqkg_kernel(
     # dk as a writer: through k exp(gamma - G) in the state update and k_j exp(-G_j) in both Gram matrices.
     b_dkw = b_dkd * tl.exp(b_gam[None, :] - b_G)
     b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dkw, 0)
-    if SLICED:
-        # Anchored on the row sub-chunk a: [BT, BC] x [BC, BK] products of the transposed dA row slices.
-        for a in range(BT // BC):
-            b_c = sub_chunk_anchor(b_G, a, BT, BC)
-            r_a = t0 + a * BC + o_c
-            m_a = r_a < te
-            e_a = tl.exp(sub_chunk_rows(b_G, a, BT, BC) - b_c[None, :])
-            b_qa = load_rows(q, t0 + a * BC, te, i_h, o_k, H, K, BC) * e_a
-            b_ka = load_rows(k, t0 + a * BC, te, i_h, o_k, H, K, BC) * e_a * tl.load(
-                beta + r_a * H + i_h, mask=m_a, other=0.).to(tl.float32)[:, None]
-            p_Ata = r_a[None, :] * (H * BT) + i_h * BT + o_t[:, None]
-            b_w = tl.dot(tl.load(dAqk + p_Ata, mask=m_a[None, :], other=0.), b_qa, input_precision=PREC)
-            b_w += tl.dot(tl.load(dAkk + p_Ata, mask=m_a[None, :], other=0.), b_ka, input_precision=PREC)
-            b_dkw += tl.exp(tl.where((o_t < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf"))) * b_w
-    else:
-        b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)   # read again, not kept since dq
-        b_kb = b_k * b_beta[:, None]
-        for a in range(BT // BC):
-            e_row, e_col = anchor_exponents(b_G, a, BT, BC)
-            b_w = tl.dot(tl.load(dAqk + p_At, mask=m_t[None, :], other=0.), b_q * e_row, input_precision=PREC)
-            b_w += tl.dot(tl.load(dAkk + p_At, mask=m_t[None, :], other=0.), b_kb * e_row, input_precision=PREC)
-            b_dkw += e_col * b_w
+    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)   # read again, not kept since dq
+    b_kb = b_k * b_beta[:, None]
+    for a in range(BT // BC):
+        e_row, e_col = anchor_exponents(b_G, a, BT, BC)
+        b_w = tl.dot(tl.load(dAqk + p_At, mask=m_t[None, :], other=0.), b_q * e_row, input_precision=PREC)
+        b_w += tl.dot(tl.load(dAkk + p_At, mask=m_t[None, :], other=0.), b_kb * e_row, input_precision=PREC)
+        b_dkw += e_col * b_w
     b_dk += b_dkw
     b_dG -= b_k * b_dkw
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
@@ -276,6 +246,5 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     chunk_kda_bwd_dqkg_kernel[lambda meta: (chunks.shape[0], H, K // meta["BK"])](
         q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
         T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
-        SLICED=os.environ.get("LONGWEAVE_KDA_BWD") != "tiles",
     )
     return dq, dk, dv, dg, dbeta.sum(0, keepdim=True), dh0

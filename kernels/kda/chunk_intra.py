@@ -32,14 +32,6 @@ def sub_chunk_anchor(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def sub_chunk_rows(x, a, BT: tl.constexpr, BC: tl.constexpr):
-    """Rows a·BC .. a·BC + BC of a [BT, X] register tile, bit for bit (each sum has one nonzero term), so factors
-    built from them equal those built from the whole tile."""
-    x3 = tl.reshape(x, [BT // BC, BC, x.shape[1]])
-    return tl.sum(tl.where((tl.arange(0, BT // BC) == a)[:, None, None], x3, 0.), 0)
-
-
-@triton.jit
 def anchor_exponents(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
     """exp(G - c_a) on the rows of sub-chunk a (else 0) and exp(c_a - G) on tokens up to its end (else 0)."""
     o_t = tl.arange(0, BT)
