@@ -201,3 +201,27 @@ def test_config_round_trips_through_a_dict() -> None:
         ModelConfig.from_dict({**config.to_dict(), "kda": {"heads": 2}})
     with pytest.raises(ValueError, match=r"MoEConfig.top_k: must be < n_experts=8, got 8"):
         MoEConfig(n_experts=8, top_k=8)
+
+
+def test_finite_check_names_the_first_non_finite_module(pieces: list[Piece]) -> None:
+    """A healthy batch reports nothing; an inf planted in layer 0's dense FFN is named first in forward order (the
+    modules after it are listed too, those before it are not)."""
+    from trainer.model.finite_check import finite_check
+
+    torch.manual_seed(0)
+    model = LongweaveModel(dataclasses.replace(tiny(), checkpoint_layers=True))
+    batch = make_batch([[pieces[0], pieces[1]]])
+    clean = finite_check(model, batch)
+    assert clean.outputs == [] and clean.gradients == {} and clean.loss > 9.0
+    with torch.no_grad():
+        model.decoder.layers[0].ffn.w13.weight[0, 0] = float("inf")
+    broken = finite_check(model, batch)
+    assert broken.outputs[0] == "decoder.layers.0.ffn.w13", broken.outputs[:3]
+    assert "decoder.layers.0.mixer" not in broken.outputs and "decoder.layers.1.mixer" in broken.outputs
+    # Either the gradients below the inf are non-finite, or the recompute (NaN tokens routed anew) stopped the
+    # backward, which the report says instead of raising.
+    assert broken.gradients or broken.backward_error
+    assert "  decoder.layers.0.ffn.w13" in broken.lines()
+    model.config.checkpoint_layers = False   # no recompute: the backward runs through and poisons what lies below
+    plain = finite_check(model, batch)
+    assert plain.backward_error is None and plain.gradients["decoder.layers.0.mixer.q_proj.weight"] > 0
