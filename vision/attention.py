@@ -85,12 +85,27 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, use_fle
     return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, bounds=bounds)
 
 
+INT32_EXTENT = 2**31
+
+
+def compact_if_huge(x: torch.Tensor, limit: int = INT32_EXTENT) -> torch.Tensor:
+    """x itself, or a contiguous copy when the memory its view spans reaches ``limit`` elements.
+
+    The decoder hands FlexAttention column slices of a joint projection: at 1M tokens MLA's q spans
+    1M × 2560 = 2.7e9 elements, past what a Triton kernel's 32-bit offsets reach, while q alone holds 1.07e9.
+    A FlexAttention build that picks 32-bit indexing from q's size rather than its span would read the wrong memory
+    for the last fifth of the tokens; a compact copy cannot be misread, and costs one copy only at that length."""
+    span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if n > 0)
+    return x.contiguous() if span >= limit else x
+
+
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
                        scale: float | None = None) -> torch.Tensor:
     """Softmax attention inside segments. q, k ``[1, H, T, Dk]``, v ``[1, H, T, Dv]`` -> ``[1, H, T, Dv]``."""
     if q.shape[0] != 1 or q.shape[2] != mask.length:
         raise ValueError(f"q: expected [1, H, {mask.length}, D], got {tuple(q.shape)}")
     if mask.block_mask is not None:
+        q, k, v = (compact_if_huge(t) for t in (q, k, v))
         return _compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, scale=scale)
     return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=mask.causal,
                                                      scale=scale) for a, b in mask.bounds], dim=2)
