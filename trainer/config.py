@@ -67,6 +67,10 @@ class TrainConfig:
     # False only for benchmark runs: no checkpoint is written (periodic, at a stage transition, or at the end), so the
     # run cannot resume and `longweave stage advance` refuses it; the trainer's own stage advances still happen.
     save_checkpoints: bool = True
+    # Optimizer steps in a row with a non-finite gradient norm (DeepSpeed skips their update) before the trainer
+    # stops with an error; 0: at the first. In bf16 there is no loss scale to back off, so one is already a bug or a
+    # divergence, and every further step would burn a full step of compute for nothing (Megatron-LM stops too).
+    max_nonfinite_steps: int = 0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.data, str) and bool(self.data), "data", "must be the pack output folder")
@@ -76,7 +80,8 @@ class TrainConfig:
         names = [s.name for s in self.stages]
         _require(len(set(names)) == len(names), "stages", f"duplicate stage names {names}")
         _positive("TrainConfig", self, "tokens_per_step", "checkpoint_every", "keep_checkpoints", "log_every")
-        _require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
+        for name in ("warmup_steps", "max_nonfinite_steps"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an int >= 0")
         _require(0.0 <= self.decay_fraction <= 1.0, "decay_fraction", f"must lie in [0, 1], got {self.decay_fraction}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -48,6 +49,7 @@ class TrainerState:
     stage_step: int = 0
     tokens: int = 0
     stage_tokens: int = 0
+    nonfinite_steps: int = 0  # optimizer steps in a row whose gradient norm was inf or NaN (their update skipped)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -204,6 +206,8 @@ class Trainer:
         self.state.tokens += self.config.tokens_per_step
         self.state.stage_tokens += self.config.tokens_per_step
         flops = training_flops(self.model_config, lengths, grids, n_loss).total * self.world_size
+        grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+        self.state.nonfinite_steps = 0 if math.isfinite(grad_norm) else self.state.nonfinite_steps + 1
         record = {
             "step": self.state.step,
             "stage": self.state.stage,
@@ -212,7 +216,8 @@ class Trainer:
             "grad_accum": self.plan.grad_accum,
             "loss": float(totals[0] / max(totals[1], 1)),
             "lr": self.engine.lr_scheduler.get_last_lr()[0],
-            "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+            "grad_norm": grad_norm,
+            "nonfinite_steps": self.state.nonfinite_steps,
             "tokens": self.state.tokens,
             "tokens_per_s": self.config.tokens_per_step / seconds,
             "mfu": mfu(flops, seconds, self.world_size) if self.device.type == "cuda" else None,
@@ -226,6 +231,20 @@ class Trainer:
         if self.device.type == "cuda":
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return record
+
+    def _check_finite(self, record: dict[str, Any]) -> None:
+        """Warn at a step whose gradient norm is not finite; stop once more than ``max_nonfinite_steps`` in a row."""
+        if not record["nonfinite_steps"]:
+            return
+        where = (f"step {record['step']} ({record['stage']}): gradient norm {record['grad_norm']}, update skipped; "
+                 f"samples {record['sample_keys']}")
+        if self.rank == 0:
+            log.warning(where)
+        if self.state.nonfinite_steps > self.config.max_nonfinite_steps:
+            raise SystemExit(
+                f"{where}: {self.state.nonfinite_steps} non-finite step(s) in a row, more than max_nonfinite_steps="
+                f"{self.config.max_nonfinite_steps}. Locate it with: python -m trainer.model.finite_check "
+                f"{self.config.data} --stage {record['stage']} --preset {self.config.model}")
 
     def train(self, max_steps: int | None = None) -> TrainerState:
         """Train until the curriculum is done, or for ``max_steps`` more optimizer steps."""
@@ -251,6 +270,7 @@ class Trainer:
                                  record["loss"])
                 progress.update(task, completed=self.state.step,
                                 description=f"{self.state.stage} loss {record['loss']:.3f}")
+                self._check_finite(record)
                 if self.config.save_checkpoints and self.state.step % self.config.checkpoint_every == 0:
                     self.save_checkpoint()
         if self.config.save_checkpoints:

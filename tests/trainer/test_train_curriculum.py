@@ -24,8 +24,7 @@ def _config_yaml(data: Path, steps_first: int, steps_second: int, **extra: objec
         "stages:",
         f"  - {{name: s512, seq_len: 512, micro_batch: 1, token_budget: {1024 * steps_first}}}",
         f"  - {{name: s1k, seq_len: 1024, micro_batch: 1, token_budget: {1024 * steps_second}}}",
-        "lr: 0.01",
-        "warmup_steps: 1",
+    ] + [f"{k}: {v}" for k, v in (("lr", 0.01), ("warmup_steps", 1)) if k not in extra] + [
         "num_workers: 1",
         "checkpoint_every: 2",
         "keep_checkpoints: 3",
@@ -164,6 +163,22 @@ def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_sha
     assert "cannot resume" in again.stderr.read().decode()
     with pytest.raises(SystemExit, match="no complete checkpoint"):
         main(["stage", "advance", "--run", str(run)])
+
+
+def test_non_finite_gradients_stop_the_run_loudly(short_shards: Path, tmp_path: Path) -> None:
+    """A learning rate of 1e15 blows the weights up in the first update: the next step's gradient norm is
+    not finite, the metrics say so, and the trainer stops with an error that names the step, its samples and the
+    command that locates the layer (max_nonfinite_steps: 0)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(_config_yaml(short_shards, 4, 1, save_checkpoints=False, lr=1e15, warmup_steps=0))
+    run = tmp_path / "run"
+    proc = _train(run, config)
+    assert proc.wait(timeout=900) != 0
+    err = proc.stderr.read().decode()
+    metrics = _metrics(run)
+    assert metrics[0]["nonfinite_steps"] == 0 and metrics[-1]["nonfinite_steps"] == 1, metrics
+    assert len(metrics) < 5 and "non-finite step(s) in a row, more than max_nonfinite_steps=0" in err, err[-2000:]
+    assert f"step {metrics[-1]['step']} (s512)" in err and "trainer.model.finite_check" in err
 
 
 @pytest.mark.parametrize("name", ["gpu_small.yaml", "cpu_tiny.yaml"])
