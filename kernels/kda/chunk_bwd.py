@@ -165,24 +165,21 @@ def chunk_kda_bwd_dqkg_kernel(
     p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
     b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
     b_gam = sub_chunk_anchor(b_G, BT // BC, BT, BC)   # the whole chunk's log-decay
-    b_eG = tl.exp(b_G)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
 
-    # Phases, each finished before the next, so few [BT, BK] tiles are alive at once.
-    # dq = scale dO S^T exp(G) + sum_j dA_qk[i, j] k_j exp(G_i - G_j), sub-chunk anchors on the rows.
-    b_dq = b_dqs * scale * b_eG
+    # dq = scale dO S^T exp(G) + sum_j dA_qk[i, j] k_j exp(G_i - G_j), and through X = diag(beta) (V - K exp(G) S)
+    # R = sum_j dA_kk[i, j] k_j exp(G_i - G_j) (then dk as a reader): one loop, sub-chunk anchors on the rows, each
+    # anchor's exponents and k exp(c_a - G) built once for both.
+    b_dq = b_dqs * scale * tl.exp(b_G)
+    b_X = -tl.exp(b_G) * b_P
     for a in range(BT // BC):
         e_row, e_col = anchor_exponents(b_G, a, BT, BC)
-        b_dq += e_row * tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_k * e_col, input_precision=PREC)
+        b_kc = b_k * e_col
+        b_dq += e_row * tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC)
+        b_X += e_row * tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC)
     tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
     b_dG = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32) * b_dq
-
-    # Through X = diag(beta) (V - K exp(G) S): R = sum_j dA_kk[i, j] k_j exp(G_i - G_j), then dk as a reader.
-    b_X = -b_eG * b_P
-    for a in range(BT // BC):
-        e_row, e_col = anchor_exponents(b_G, a, BT, BC)
-        b_X += e_row * tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_k * e_col, input_precision=PREC)
     tl.store(dbeta + i_k * T * H + rows * H + i_h, tl.sum(b_k * b_X, 1), mask=m_t)
     b_dk = b_beta[:, None] * b_X                        # dk_read
     b_dG += b_k * b_dk
