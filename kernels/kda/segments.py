@@ -49,19 +49,20 @@ def plan_segments(cu_seqlens: list[int], size: int) -> list[Segment]:
     return segments
 
 
-def scan_segments(cu: list[int], size: int, initial_state: torch.Tensor | None, like: torch.Tensor,
-                  state_shape: tuple[int, int, int],
+def scan_segments(segments: list[Segment], n_docs: int, initial_state: torch.Tensor | None,
+                  like: torch.Tensor, state_shape: tuple[int, int, int],
                   run: Callable[[int, Segment, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """Drive `run(i, segment, h0) -> (output, final states of the segment's documents)` over the segments of
-    cu_seqlens `cu`, last state of a cut document in as the first initial state of the next segment. Returns the
-    outputs and each document's final state (None for empty documents). `run` owns the checkpointing, so a caller
-    can checkpoint more than the kernel (the model's KDA layer runs its projections per segment too)."""
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Drive `run(i, segment, h0) -> (output, final states of the segment's documents)` over `segments` (from
+    `plan_segments`), last state of a cut document in as the first initial state of the next segment. Returns the
+    outputs and each of the `n_docs` documents' final states (an empty document ends where it began). `run` owns the
+    checkpointing, so a caller can checkpoint more than the kernel (the model's KDA layer runs its projections per
+    segment too)."""
     H, K, V = state_shape
     zero = like.new_zeros(1, H, K, V, dtype=torch.float32)
-    finals: list[torch.Tensor | None] = [None] * (len(cu) - 1)
+    finals: list[torch.Tensor | None] = [None] * n_docs
     outputs, carried = [], None
-    for i, seg in enumerate(plan_segments(cu, size)):
+    for i, seg in enumerate(segments):
         first = [carried] if seg.continues else []
         rest = seg.docs[len(first):]
         starts = initial_state[rest].float() if initial_state is not None else zero.expand(len(rest), H, K, V)
@@ -72,6 +73,9 @@ def scan_segments(cu: list[int], size: int, initial_state: torch.Tensor | None, 
             if seg.ends[j]:
                 finals[d] = ht[j]
         carried = None if seg.ends[-1] else ht[-1:]
+    for d, final in enumerate(finals):
+        if final is None:
+            finals[d] = initial_state[d].float() if initial_state is not None else zero[0]
     return outputs, finals
 
 
@@ -102,22 +106,15 @@ def chunk_kda_segmented(
     cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, T]
     # split, not slices: its backward concatenates the pieces' gradients once, where every slice's backward would
     # allocate a whole-sequence gradient to add into.
-    sizes = [seg.end - seg.start for seg in plan_segments(cu, segment_tokens)]
-    pieces = list(zip(*(x.split(sizes, 1) for x in (q, k, v, g, beta))))
+    segments = plan_segments(cu, segment_tokens)
+    pieces = list(zip(*(x.split([seg.end - seg.start for seg in segments], 1) for x in (q, k, v, g, beta))))
 
     def run(i: int, seg: Segment, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return checkpoint(_segment, *pieces[i], h0, torch.tensor(seg.cu, dtype=torch.int32), A_log, dt_bias,
                           kwargs, use_reentrant=False)
 
-    outputs, finals = scan_segments(cu, segment_tokens, initial_state, q, (H, K, V), run)
-    o = torch.cat(outputs, 1)
-    if not output_final_state:
-        return o, None
-    zero = q.new_zeros(H, K, V, dtype=torch.float32)
-    for d, final in enumerate(finals):   # empty documents end where they began
-        if final is None:
-            finals[d] = initial_state[d].float() if initial_state is not None else zero
-    return o, torch.stack(finals)
+    outputs, finals = scan_segments(segments, len(cu) - 1, initial_state, q, (H, K, V), run)
+    return torch.cat(outputs, 1), torch.stack(finals) if output_final_state else None
 
 
 def _segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -79,8 +79,8 @@ def finite_check(model: LongweaveModel, inputs: Mapping[str, Any]) -> FiniteRepo
     finally:
         for h in handles:
             h.remove()
-    gradients = {name: int((~torch.isfinite(p.grad)).sum()) for name, p in model.named_parameters()
-                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())}
+    counts = {name: int((~torch.isfinite(p.grad)).sum()) for name, p in model.named_parameters() if p.grad is not None}
+    gradients = {name: count for name, count in counts.items() if count}
     return FiniteReport(list(bad), float(out.loss.detach()), gradients, error)
 
 

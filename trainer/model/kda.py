@@ -110,8 +110,8 @@ class KDALayer(nn.Module):
         # of the whole sequence per segment.
         halo = self.config.conv_size - 1
         cu = seq.host_cu_seqlens.tolist()
-        sizes = [seg.end - seg.start for seg in plan_segments(cu, size)]
-        pieces = x.split(sizes)
+        segments = plan_segments(cu, size)
+        pieces = x.split([seg.end - seg.start for seg in segments])
 
         def run(i: int, seg: Segment, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             before = pieces[i - 1][-halo:] if i else None
@@ -120,7 +120,7 @@ class KDALayer(nn.Module):
                               torch.tensor(seg.cu, dtype=torch.int32), h0, use_reentrant=False)
 
         H, K = self.config.n_heads, self.config.head_dim
-        outputs, _ = scan_segments(cu, size, None, x, (H, K, K), run)
+        outputs, _ = scan_segments(segments, len(cu) - 1, None, x, (H, K, K), run)
         return torch.cat(outputs)
 
     def _mix(self, x: torch.Tensor, before: torch.Tensor | None, positions: torch.Tensor, cu_seqlens: torch.Tensor,
