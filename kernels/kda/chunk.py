@@ -9,6 +9,7 @@ from kernels.kda.chunk_bwd import chunk_kda_bwd
 from kernels.kda.chunk_fwd import chunk_kda_fwd_h
 from kernels.kda.chunk_intra import chunk_kda_fwd_intra
 from kernels.kda.gate import kda_gate
+from kernels.kda.host_cache import HOST_CU_SEQLENS
 from kernels.kda.l2norm import l2norm, l2norm_reference
 from kernels.kda.naive import CHUNK, naive_chunk_kda
 
@@ -185,12 +186,15 @@ def chunk_kda(
     g [B, T, H, K]: the log-decay (float32 preferred), which must lie in [-5, 0]; or, when A_log [H] is given, the
     raw gate input z, and the kernels compute g = g_min * sigmoid(exp(A_log) * (z + dt_bias)) (dt_bias [H*K]
     optional), so g never exists in memory and its bound holds by construction.
-    cu_seqlens [N+1] (int32/int64, B == 1): packed documents, state reset at each boundary.
+    cu_seqlens [N+1] (int32/int64, B == 1): packed documents, state reset at each boundary; on the CPU it costs no
+    host sync, on the GPU one per new tensor (its host copy is cached, `kernels.kda.host_cache`).
     initial_state [N, H, K, V]; scale defaults to 1/sqrt(K).
     use_qk_l2norm normalises q and k as x / sqrt(|x|^2 + 1e-6) (float32 arithmetic; one Triton kernel each way).
     Returns o [B, T, H, V] (v's dtype) and the final state [N, H, K, V] float32 if asked, else None.
     Triton on CUDA (and on CPU under TRITON_INTERPRET=1), `naive_chunk_kda` elsewhere.
     """
+    if cu_seqlens is not None:
+        cu_seqlens = HOST_CU_SEQLENS.get(cu_seqlens)   # the chunk table is planned on the host
     _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, g_min)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not (q.is_cuda or INTERPRET):

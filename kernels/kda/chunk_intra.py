@@ -4,11 +4,13 @@ A chunk of BT = 64 tokens is four sub-chunks of BC = 16. The rows of sub-chunk a
 cumulative log-decay just before it (never a later token, so the chunk stays exactly causal):
     A[i, j] = sum_c (x_ic exp(G_ic - c_a)) (k_jc exp(c_a - G_jc)),   i in sub-chunk a, j <= its last token.
 With g >= -5 the row exponent lies in [-80, 0] and the column one is <= 80 (it only underflows where the product
-does), so each row sub-chunk is one [16, K] x [K, 64] `tl.dot`, diagonal block included.
+does), so every block, diagonal included, runs on tensor cores.
 
-Three phases in one program: the chunk's keys and cumulative decay [64, K] are loaded and scanned once; the Gram
-rows go to A_qk and, as L = diag(beta) strict_tril(A_kk), to a float32 scratch; after a barrier L comes back as one
-[64, 64] tile for the UT inverse; w and u follow from the inverse still in registers.
+One program per chunk and head, no scratch: for each K block, each anchor's rows [64, BK] (zero outside its
+sub-chunk) times the keys up to its end accumulate into full [64, 64] tiles of A_qk and A_kk in registers; A_qk is
+stored, L = diag(beta) strict_tril(A_kk) is inverted in registers by recursive doubling, and w, u follow from the
+inverse. The masked full tiles do 4x the Gram FLOPs of [16, K] row blocks but keep A_kk in one register tile for
+the inverse (the row-block form went through a global scratch and a barrier, and was slower on the H200).
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ import triton.language as tl
 from kernels.kda.gate import load_log_decay
 from kernels.kda.tuning import configs, fit_v
 
-# (BV, num_warps): the keys and their cumulative decay [64, K] stay in registers through the Gram phase.
-# Smallest block first: the interpreter runs only the first entry, for every V.
-INTRA_SPACE = [({"BV": 32}, 8), ({"BV": 64}, 8), ({"BV": 128}, 8), ({"BV": 64}, 4)]
+# (BK, BV, num_warps). Smallest blocks first: the interpreter runs only the first entry, for every K and V.
+INTRA_SPACE = [({"BK": 32, "BV": 32}, 4), ({"BK": 32, "BV": 64}, 4), ({"BK": 32, "BV": 64}, 8),
+               ({"BK": 64, "BV": 64}, 4), ({"BK": 64, "BV": 64}, 8), ({"BK": 64, "BV": 128}, 8)]
 
 
 @triton.jit
@@ -44,102 +46,73 @@ def anchor_exponents(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def load_rows(x, row0, te, i_h, o_x, H: tl.constexpr, X: tl.constexpr, R: tl.constexpr):
-    """Rows row0 .. row0 + R of a [T, H, X] tensor at columns o_x in float32, zero past the document end."""
-    rows = row0 + tl.arange(0, R)
-    m = rows < te
-    return tl.load(x + rows[:, None] * (H * X) + i_h * X + o_x[None, :], mask=m[:, None], other=0.).to(tl.float32)
+def solve_unit_lower(b_L, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + L)^-1 for strictly lower L [BT, BT] (BT a power of two), by recursive doubling of the diagonal blocks.
 
-
-@triton.jit
-def solve_unit_lower(b_L, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """(I + L)^-1 for strictly lower L [BT, BT], with dots only.
-
-    Diagonal BC-blocks D = (I + L_d)^-1 by the Horner form of the Neumann series on the stacked [BT, BC] blocks
-    (X <- E - L_d X; local row r is exact after r steps, the arithmetic of forward substitution, so no large powers
-    of L appear); then (I + L)^-1 = (I + N)^-1 D with N = D L_o strictly block-lower, again by Horner (T <- D - N T).
+    With T holding the inverse's diagonal blocks of width m, the blocks of width 2m are T - (T C) T, C being L's
+    lower-left m-block inside each 2m-block: the two-block inverse [[A^-1, 0], [-B^-1 C A^-1, B^-1]] of recursive
+    triangular inversion. Width 2 is exact without a product, so BT = 64 is five levels of two dependent dots: a
+    shorter chain than forward substitution's BT - 1 steps, which is what bounds this kernel's latency.
     """
     o_t = tl.arange(0, BT)
-    o_c = tl.arange(0, BC)
-    blk = o_t // BC
-    same = blk[:, None] == blk[None, :]
-    b_E = tl.where((o_t % BC)[:, None] == o_c[None, :], 1., 0.)
-    b_Ld = tl.where(same, b_L, 0.)
-    b_X = b_E
-    for _ in range(BC - 1):
-        b_X = b_E - tl.dot(b_Ld, b_X, input_precision=PREC)
-    # Spread the stacked blocks onto the diagonal: one nonzero per sum, so exact in float32.
-    b_P = tl.where(o_c[:, None] == (o_t % BC)[None, :], 1., 0.)
-    b_D = tl.where(same, tl.dot(b_X, b_P, input_precision="ieee"), 0.)
-    b_N = tl.dot(b_D, tl.where(blk[:, None] > blk[None, :], b_L, 0.), input_precision=PREC)
-    b_T = b_D
-    for _ in range(BT // BC - 1):
-        b_T = b_D - tl.dot(b_N, b_T, input_precision=PREC)
+    b_T = tl.where(o_t[:, None] == o_t[None, :], 1., 0.) - tl.where((o_t // 2)[:, None] == (o_t // 2)[None, :], b_L, 0.)
+    for i in tl.static_range(1, BT.bit_length() - 1):
+        blk, pair = o_t >> i, o_t >> (i + 1)   # the m = 2^i blocks, and the 2m blocks they pair into
+        lower_left = (pair[:, None] == pair[None, :]) & (blk[:, None] > blk[None, :])
+        b_TC = tl.dot(b_T, tl.where(lower_left, b_L, 0.), input_precision=PREC)
+        b_T -= tl.dot(b_TC, b_T, input_precision=PREC)
     return b_T
-
-
-@triton.jit
-def gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, b_k, b_G, t0, te, i_h, a,
-              H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-              USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr):
-    """Rows of sub-chunk a of A_qk (stored, lower incl.) and of L = diag(beta) strict_tril(A_kk) (to the scratch),
-    from the chunk's keys b_k and cumulative log-decay b_G [BT, K]."""
-    o_t = tl.arange(0, BT)
-    o_c = tl.arange(0, BC)
-    o_k = tl.arange(0, K)
-    r0 = t0 + a * BC
-    rows = r0 + o_c
-    m_r = rows < te
-    b_c = sub_chunk_anchor(b_G, a, BT, BC)
-    b_kct = tl.trans(b_k * tl.exp(tl.where((o_t < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf"))))
-    b_er = tl.exp(tl.cumsum(load_log_decay(g + rows[:, None] * (H * K) + i_h * K + o_k[None, :], m_r,
-                                           A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0))
-    b_Aq = tl.dot(load_rows(q, r0, te, i_h, o_k, H, K, BC) * b_er, b_kct, input_precision=PREC)
-    b_Ak = tl.dot(load_rows(k, r0, te, i_h, o_k, H, K, BC) * b_er, b_kct, input_precision=PREC)
-    i_loc = a * BC + o_c
-    b_beta = tl.load(beta + rows * H + i_h, mask=m_r, other=0.).to(tl.float32)
-    p = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
-    tl.store(Aqk + p, tl.where(i_loc[:, None] >= o_t[None, :], b_Aq, 0.).to(Aqk.dtype.element_ty), mask=m_r[:, None])
-    tl.store(L + p, tl.where(i_loc[:, None] > o_t[None, :], b_Ak * b_beta[:, None], 0.), mask=m_r[:, None])
 
 
 @triton.autotune(configs(INTRA_SPACE), key=["H", "K", "V"], prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_fwd_intra_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Aqk, L, Ainv, w, u, chunks,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr,
+    q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, chunks,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
     te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
     rows = t0 + o_t
     m_t = rows < te
-    p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-    # The chunk's keys and cumulative log-decay, loaded and scanned once for all four sub-chunks.
-    b_k = load_rows(k, t0, te, i_h, o_k, H, K, BT)
-    b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
-    for a in range(BT // BC):
-        gram_rows(q, k, g, A_log, dt_bias, beta, Aqk, L, b_k, b_G, t0, te, i_h, a, H, K, BT, BC,
-                  USE_GATE, HAS_BIAS, G_MIN, PREC)
-    tl.debug_barrier()   # L's rows, written by every warp, are read back as one tile
 
+    # Gram matrices over K blocks: per sub-chunk anchor, its rows [BT, BK] (zero elsewhere) times the keys up to its
+    # end, accumulated into full [BT, BT] tiles that stay in registers for the inverse.
+    b_Aq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_Ak = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
+        b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+        for a in range(BT // BC):
+            e_row, e_col = anchor_exponents(b_G, a, BT, BC)
+            b_kct = tl.trans(b_k * e_col)
+            b_Aq += tl.dot(b_q * e_row, b_kct, input_precision=PREC)
+            b_Ak += tl.dot(b_k * e_row, b_kct, input_precision=PREC)
     p_A = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
-    b_T = solve_unit_lower(tl.load(L + p_A, mask=m_t[:, None], other=0.), BT, BC, SOLVE_PREC)
-    tl.store(Ainv + p_A, b_T.to(Ainv.dtype.element_ty), mask=m_t[:, None])
+    tl.store(Aqk + p_A, tl.where(o_t[:, None] >= o_t[None, :], b_Aq, 0.).to(Aqk.dtype.element_ty),
+             mask=m_t[:, None])
 
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    # Loaded and scanned again rather than kept alive through the inverse (registers).
-    b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
-    b_kb = load_rows(k, t0, te, i_h, o_k, H, K, BT) * tl.exp(b_G) * b_beta[:, None]
-    tl.store(w + p_k, tl.dot(b_T, b_kb, input_precision=PREC).to(w.dtype.element_ty), mask=m_t[:, None])
-    for i_v in tl.static_range(V // BV):
+    b_T = solve_unit_lower(tl.where(o_t[:, None] > o_t[None, :], b_Ak * b_beta[:, None], 0.), BT, SOLVE_PREC)
+    tl.store(Ainv + p_A, b_T.to(Ainv.dtype.element_ty), mask=m_t[:, None])
+
+    # w = Ainv diag(beta) k exp(G), u = Ainv diag(beta) v, block by block (G scanned again: cheaper than keeping it).
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
+        b_kb = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32) * tl.exp(b_G) * b_beta[:, None]
+        tl.store(w + p_k, tl.dot(b_T, b_kb, input_precision=PREC).to(w.dtype.element_ty), mask=m_t[:, None])
+    for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_vb = load_rows(v, t0, te, i_h, o_v, H, V, BT) * b_beta[:, None]
+        b_vb = tl.load(v + p_v, mask=m_t[:, None], other=0.).to(tl.float32) * b_beta[:, None]
         tl.store(u + p_v, tl.dot(b_T, b_vb, input_precision=PREC).to(u.dtype.element_ty), mask=m_t[:, None])
 
 
@@ -152,12 +125,11 @@ def chunk_kda_fwd_intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     A_log, dt_bias, g_min = gate
     a_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     Aqk = q.new_empty(1, T, H, 64, dtype=a_dtype)
-    L = q.new_empty(1, T, H, 64, dtype=torch.float32)   # scratch: only alive during the kernel
     Ainv = torch.empty_like(Aqk)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     chunk_kda_fwd_intra_kernel[(chunks.shape[0], H)](
-        q, k, v, g, beta, A_log, dt_bias, Aqk, L, Ainv, w, u, chunks,
+        q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, chunks,
         H=H, K=K, V=V, BT=64, BC=16,
         USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min, PREC=prec[0], SOLVE_PREC=prec[1],
     )

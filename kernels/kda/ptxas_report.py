@@ -23,7 +23,7 @@ from triton.runtime.jit import JITFunction
 from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
 
 HOPPER = GPUTarget("cuda", 90, 64)
-FLOAT32_ARGS = {"g", "A_log", "dt_bias", "L", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk"}
+FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 SCALAR_ARGS = {"scale": "fp32", "T": "i32", "CHAINS": "i32"}
 

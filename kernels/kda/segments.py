@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from kernels.kda.chunk import chunk_kda
+from kernels.kda.host_cache import HOST_CU_SEQLENS
 from kernels.kda.naive import CHUNK
 
 
@@ -103,7 +104,7 @@ def chunk_kda_segmented(
                          output_final_state=output_final_state, A_log=A_log, dt_bias=dt_bias, **kwargs)
     if B != 1:
         raise ValueError(f"segments need one packed sequence (B == 1 with cu_seqlens), got B={B}")
-    cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, T]
+    cu = HOST_CU_SEQLENS.get(cu_seqlens).tolist() if cu_seqlens is not None else [0, T]
     # split, not slices: its backward concatenates the pieces' gradients once, where every slice's backward would
     # allocate a whole-sequence gradient to add into.
     segments = plan_segments(cu, segment_tokens)
