@@ -65,9 +65,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         h0 = initial_state.float().contiguous() if initial_state is not None else None
         gate = (A_log, dt_bias, g_min)
         prec = _precisions(q.dtype)
-        Aqk, Ainv, w, u = chunk_kda_fwd_intra(q, k, v, g, beta, gate, chunks, prec)
-        o, ht, h = chunk_kda_fwd_h(q, k, g, gate, w, u, chunks, Aqk, scale, h0, output_final_state,
-                                   any(ctx.needs_input_grad), cu_seqlens, chunk_offsets, order, prec[0])
+        Aqk, Ainv, w, u, decayed = chunk_kda_fwd_intra(q, k, v, g, beta, gate, chunks, prec)
+        o, ht, h = chunk_kda_fwd_h(decayed, w, u, Aqk, scale, h0, output_final_state, any(ctx.needs_input_grad),
+                                   cu_seqlens, chunk_offsets, order, prec[0])
+        del decayed
         # Everything through save_for_backward, so that activation checkpointing drops and recomputes it too.
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, order, chunks,
                               Aqk, Ainv, w, u, h)

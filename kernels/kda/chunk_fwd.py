@@ -110,22 +110,22 @@ def chunk_kda_fwd_h_kernel(
         tl.store(ht + i_nh.to(tl.int64) * K * V + p_s, b_S)
 
 
-def chunk_kda_fwd_h(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tuple, w: torch.Tensor,
-                    u: torch.Tensor, chunks: torch.Tensor, Aqk: torch.Tensor, scale: float,
-                    initial_state: torch.Tensor | None, output_final_state: bool, save_h: bool,
-                    cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, order: torch.Tensor, prec: str
+def chunk_kda_fwd_h(decayed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: torch.Tensor, u: torch.Tensor,
+                    Aqk: torch.Tensor, scale: float, initial_state: torch.Tensor | None, output_final_state: bool,
+                    save_h: bool, cu_seqlens: torch.Tensor, chunk_offsets: torch.Tensor, order: torch.Tensor, prec: str
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """o [1, T, H, V]; final state [N, H, K, V] fp32; h [NT, H, K, V] (state at each chunk start).
+    """o [1, T, H, V]; final state [N, H, K, V] fp32; h [NT, H, K, V] (state at each chunk start), from the decayed
+    q, k and chunk decays (qg, kd, gam) that `chunk_kda_fwd_intra` wrote.
 
     Overwrites u with v_new = u - w S (what the backward pass reads).
     """
-    _, T, H, K = q.shape
+    qg, kd, gam = decayed
+    H, K = qg.shape[2], qg.shape[3]
     V = u.shape[-1]
     N = cu_seqlens.numel() - 1
     o = torch.empty_like(u)
-    h = q.new_empty(chunks.shape[0], H, K, V) if save_h else None
-    ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    qg, kd, gam = chunk_kda_decay(q, k, g, gate, chunks)
+    h = qg.new_empty(gam.shape[0], H, K, V) if save_h else None
+    ht = qg.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     chunk_kda_fwd_h_kernel[lambda meta: (V // meta["BV"], N * H)](
         qg, kd, gam, w, u, Aqk, o, h, initial_state, ht, cu_seqlens, chunk_offsets, order, scale, chain_bucket(N * H),
         H=H, K=K, V=V, BT=64, USE_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_H=save_h, PREC=prec,

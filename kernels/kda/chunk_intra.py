@@ -67,7 +67,7 @@ def solve_unit_lower(b_L, BT: tl.constexpr, PREC: tl.constexpr):
 @triton.autotune(configs(INTRA_SPACE), key=["H", "K", "V"], prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_fwd_intra_kernel(
-    q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, chunks,
+    q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, qg, kd, gam, chunks,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr, PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
@@ -102,12 +102,21 @@ def chunk_kda_fwd_intra_kernel(
     b_T = solve_unit_lower(tl.where(o_t[:, None] > o_t[None, :], b_Ak * b_beta[:, None], 0.), BT, SOLVE_PREC)
     tl.store(Ainv + p_A, b_T.to(Ainv.dtype.element_ty), mask=m_t[:, None])
 
-    # w = Ainv diag(beta) k exp(G), u = Ainv diag(beta) v, block by block (G scanned again: cheaper than keeping it).
+    # w = Ainv diag(beta) k exp(G), u = Ainv diag(beta) v, block by block (G scanned again: cheaper than keeping it);
+    # with them what the state pass reads, q exp(G), k exp(gamma - G) and gamma (the chunk's decay), from the same
+    # tiles instead of a kernel of their own.
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
         b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
-        b_kb = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32) * tl.exp(b_G) * b_beta[:, None]
+        b_eG = tl.exp(b_G)
+        b_gam = sub_chunk_anchor(b_G, BT // BC, BT, BC)
+        b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+        tl.store(qg + p_k, (b_q * b_eG).to(qg.dtype.element_ty), mask=m_t[:, None])
+        tl.store(kd + p_k, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_t[:, None])
+        tl.store(gam + (i_t.to(tl.int64) * H + i_h) * K + o_k, b_gam)
+        b_kb = b_k * b_eG * b_beta[:, None]
         tl.store(w + p_k, tl.dot(b_T, b_kb, input_precision=PREC).to(w.dtype.element_ty), mask=m_t[:, None])
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -118,8 +127,9 @@ def chunk_kda_fwd_intra_kernel(
 
 def chunk_kda_fwd_intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         gate: tuple, chunks: torch.Tensor, prec: tuple[str, str]
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Aqk, Ainv [1, T, H, 64] and w [1, T, H, K], u [1, T, H, V] for flattened q, k, g [1, T, H, K]."""
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """Aqk, Ainv [1, T, H, 64], w [1, T, H, K], u [1, T, H, V] for flattened q, k, g [1, T, H, K], and the state
+    pass's decayed inputs (qg = q exp(G), kd = k exp(gamma - G) in q's dtype, gamma [NT, H, K] float32)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     A_log, dt_bias, g_min = gate
@@ -128,9 +138,11 @@ def chunk_kda_fwd_intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     Ainv = torch.empty_like(Aqk)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
+    qg, kd = torch.empty_like(q), torch.empty_like(k)
+    gam = q.new_empty(chunks.shape[0], H, K, dtype=torch.float32)
     chunk_kda_fwd_intra_kernel[(chunks.shape[0], H)](
-        q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, chunks,
+        q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, qg, kd, gam, chunks,
         H=H, K=K, V=V, BT=64, BC=16,
         USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min, PREC=prec[0], SOLVE_PREC=prec[1],
     )
-    return Aqk, Ainv, w, u
+    return Aqk, Ainv, w, u, (qg, kd, gam)
