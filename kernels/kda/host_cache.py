@@ -3,9 +3,10 @@ per call.
 
 The chunk table and the argument checks are built on the host. A caller that keeps ``cu_seqlens`` on the GPU passes
 the same tensor to every layer, to its recompute and to its backward, and to every benchmark iteration; reading it
-back each time would block the launch queue until the GPU drains (about 1 ms per forward + backward on the 64K
-varlen batch). fla-core's ``tensor_cache`` memoises its chunk indices by argument identity for the same reason; here
-the tensor's version counter is checked as well, so an in-place edit is never served stale.
+back each time blocks the launch queue until the GPU drains. On the H200, a forward + backward of the 64K varlen
+batch took 17.85 ms of wall time for 17.04 ms of GPU time, with two such read-backs per pass. fla-core's
+``tensor_cache`` memoises its chunk indices by argument identity for the same reason; here the tensor's version
+counter is checked as well, so an in-place edit is never served stale.
 """
 from __future__ import annotations
 
