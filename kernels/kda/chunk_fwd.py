@@ -1,4 +1,4 @@
-"""Inter-chunk forward: the state recurrence over chunks, fused with the output (and the decayed q, k it reads).
+"""Inter-chunk forward: the state recurrence over chunks, fused with the output.
 
 Per chunk with state S [K, V] at its start, G the in-chunk cumulative log-decay and gamma = G at its end:
     v_new = u - w S;  o = scale (q exp(G)) S + scale A_qk v_new;  S <- exp(gamma) S + (k exp(gamma - G))^T v_new.
@@ -9,7 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.gate import load_log_decay
 from kernels.kda.tuning import configs, fit_v
 
 # The state pass is one chain of dependent chunk steps per (document, head). Few chains (one long sequence): narrow
@@ -21,45 +20,6 @@ STATE_PASS_SPACE = [({"BV": 32}, 8), ({"BV": 16}, 8), ({"BV": 16}, 4), ({"BV": 3
 def chain_bucket(n_chains: int) -> int:
     """log2 bucket of the number of independent state chains, for the state passes' autotune key."""
     return n_chains.bit_length()
-
-
-@triton.jit
-def chunk_kda_decay_kernel(
-    q, k, g, A_log, dt_bias, qg, kd, gam, chunks,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
-):
-    """q exp(G), k exp(gamma - G) and gamma per chunk, so the state passes do no scans or exps on their chain."""
-    i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
-    te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
-    rows = t0 + tl.arange(0, BT)
-    m_t = rows < te
-    o_k = i_k * BK + tl.arange(0, BK)
-    p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_g = load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN)
-    b_G = tl.cumsum(b_g, 0)
-    b_gam = tl.sum(b_g, 0)
-    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-    tl.store(qg + p_k, (b_q * tl.exp(b_G)).to(qg.dtype.element_ty), mask=m_t[:, None])
-    tl.store(kd + p_k, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_t[:, None])
-    tl.store(gam + (i_t.to(tl.int64) * H + i_h) * K + o_k, b_gam)
-
-
-def chunk_kda_decay(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tuple, chunks: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qg = q exp(G), kd = k exp(gamma - G) [1, T, H, K] (q's dtype) and gamma [NT, H, K] float32."""
-    _, T, H, K = q.shape
-    A_log, dt_bias, g_min = gate
-    qg, kd = torch.empty_like(q), torch.empty_like(k)
-    gam = q.new_empty(chunks.shape[0], H, K, dtype=torch.float32)
-    BK = min(K, 64)
-    chunk_kda_decay_kernel[(chunks.shape[0], H, K // BK)](
-        q, k, g, A_log, dt_bias, qg, kd, gam, chunks, H=H, K=K, BT=64, BK=BK,
-        USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min, num_warps=4,
-    )
-    return qg, kd, gam
 
 
 @triton.autotune(configs(STATE_PASS_SPACE), key=["H", "K", "V", "CHAINS"], restore_value=["u"],
