@@ -35,10 +35,16 @@ class StageRun:
     seq_len: int
     micro_batch: int = 1
     token_budget: int  # tokens to train on in this stage (optimizer steps × tokens_per_step)
+    # None: the run's `activation_checkpointing`. Recomputing every layer in the backward costs about a third more
+    # compute; a short stage whose activations fit can turn it off, the long ones need it (the 1M step does).
+    activation_checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(self.name), "stages[].name", f"must be a non-empty str, got {self.name!r}")
         _positive(f"stages[{self.name}]", self, "seq_len", "micro_batch", "token_budget")
+        _require(self.activation_checkpointing is None or isinstance(self.activation_checkpointing, bool),
+                 f"stages[{self.name}].activation_checkpointing",
+                 f"must be true, false or absent, got {self.activation_checkpointing!r}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -101,6 +107,10 @@ class TrainConfig:
                  f"tokens_per_step {self.tokens_per_step} is not a multiple of micro_batch {stage.micro_batch} × "
                  f"seq_len {stage.seq_len} × world size {world_size}")
         return self.tokens_per_step // per_micro
+
+    def checkpointing(self, stage: StageRun) -> bool:
+        """Whether this stage recomputes layer activations in the backward: its own setting, else the run's."""
+        return self.activation_checkpointing if stage.activation_checkpointing is None else stage.activation_checkpointing
 
     def steps_in(self, stage: StageRun) -> int:
         return stage.token_budget // self.tokens_per_step

@@ -34,6 +34,7 @@ class StagePlan:
     tokens_per_step: int
     steps: int
     token_budget: int
+    activation_checkpointing: bool
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -43,7 +44,7 @@ def plan_stage(config: TrainConfig, stage: StageRun, world_size: int) -> StagePl
     return StagePlan(stage=stage.name, seq_len=stage.seq_len, micro_batch=stage.micro_batch,
                      grad_accum=config.grad_accum(stage, world_size), world_size=world_size,
                      tokens_per_step=config.tokens_per_step, steps=config.steps_in(stage),
-                     token_budget=stage.token_budget)
+                     token_budget=stage.token_budget, activation_checkpointing=config.checkpointing(stage))
 
 
 def stage_manifest(config: TrainConfig, stage: StageRun) -> ShardManifest:

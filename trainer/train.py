@@ -149,14 +149,16 @@ class Trainer:
         check_fingerprints(manifest, self.run.fingerprints(), f"stage {name!r}")
         self.plan = plan_stage(config, stage, self.world_size)
         set_stage_batch(self.engine, stage.micro_batch, self.plan.grad_accum, self.world_size)
+        self.model_config.checkpoint_layers = self.plan.activation_checkpointing   # the decoder reads it per forward
         self.loader = build_loader(Path(config.data) / name, rank=self.rank, world_size=self.world_size,
                                    num_workers=config.num_workers, seed=config.seed, micro_batch=stage.micro_batch,
                                    policy=config.bad_sample_policy)
         if loader_state is not None:
             self.loader.load_state_dict(loader_state)
         self.batches: Iterator[dict[str, Any]] = iter(self.loader)
-        log.info("stage %s: seq_len %d, micro_batch %d, grad_accum %d, %d steps", name, stage.seq_len,
-                 stage.micro_batch, self.plan.grad_accum, self.plan.steps)
+        log.info("stage %s: seq_len %d, micro_batch %d, grad_accum %d, %d steps, activation checkpointing %s", name,
+                 stage.seq_len, stage.micro_batch, self.plan.grad_accum, self.plan.steps,
+                 "on" if self.plan.activation_checkpointing else "off")
 
     def save_checkpoint(self) -> Path:
         tag = f"step-{self.state.step:08d}"
@@ -214,6 +216,7 @@ class Trainer:
             "seq_len": self.plan.seq_len,
             "micro_batch": self.plan.micro_batch,
             "grad_accum": self.plan.grad_accum,
+            "activation_checkpointing": self.model_config.checkpoint_layers,   # as the decoder ran it
             "loss": float(totals[0] / max(totals[1], 1)),
             "lr": self.engine.lr_scheduler.get_last_lr()[0],
             "grad_norm": grad_norm,
