@@ -203,3 +203,13 @@ def test_device_recipe_of_the_1m_step_alone() -> None:
     config = load_train_config(Path(__file__).parents[2] / "devrun" / "gpu_small_1m.yaml")
     plans = [plan_stage(config, stage, world_size=1) for stage in config.stages]
     assert [(p.stage, p.seq_len, p.micro_batch, p.grad_accum, p.steps) for p in plans] == [("1m", 1048576, 1, 1, 1)]
+
+
+def test_device_recipe_of_8k_without_recompute() -> None:
+    from trainer.config import load_train_config
+
+    config = load_train_config(Path(__file__).parents[2] / "devrun" / "gpu_small_8k.yaml")
+    plans = [plan_stage(config, stage, world_size=1) for stage in config.stages]
+    assert config.activation_checkpointing  # the run's default, which the stage overrides
+    assert [(p.stage, p.micro_batch, p.grad_accum, p.steps, p.activation_checkpointing) for p in plans] == [
+        ("8k", 4, 32, 3, False)]
