@@ -6,6 +6,7 @@ One process without a launcher initialises a world of one (NCCL on CUDA, gloo on
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -44,8 +45,18 @@ def init_distributed() -> tuple[int, int, int]:
     deepspeed = import_deepspeed()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    ours = not torch.distributed.is_initialized()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if ours:
+        # At exit, not after each run: `longweave demo` trains twice in one process, and DeepSpeed keeps its groups
+        # of the first process group. Without it NCCL warns of leaked resources when the process ends.
+        atexit.register(_destroy_process_group)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def deepspeed_config(*, micro_batch: int, grad_accum: int, bf16: bool, zero_stage: int, grad_clip: float) -> dict:

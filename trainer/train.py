@@ -308,9 +308,6 @@ def _run(args: argparse.Namespace, _extra: list[str] | None = None) -> int:
         state = trainer.train(args.max_steps)
     except StageError as exc:
         raise SystemExit(str(exc)) from None
-    finally:
-        if torch.distributed.is_initialized():   # NCCL warns of leaked resources otherwise
-            torch.distributed.destroy_process_group()
     if trainer.rank == 0:
         print(json.dumps({"run": str(run.root), **state.to_dict()}))
     return 0

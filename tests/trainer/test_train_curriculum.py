@@ -119,6 +119,21 @@ def test_stage_commands(short_shards: Path, tmp_path: Path, capsys: pytest.Captu
         (1, "s512", 512), (2, "s512", 512), (3, "s1k", 1024), (4, "s1k", 1024)]
 
 
+def test_two_runs_in_one_process(short_shards: Path, tmp_path: Path) -> None:
+    """`longweave demo` trains, advances and trains again in one process: the second run reuses the process group
+    (and DeepSpeed's groups of it), which the first must leave alive; it is torn down only at exit."""
+    config = tmp_path / "config.yaml"
+    config.write_text(_config_yaml(short_shards, 1, 1))
+    run = tmp_path / "run"
+    script = (f"from longweave.cli import main\n"
+              f"assert main(['train', '--run', {str(run)!r}, '--config', {str(config)!r}, '--max-steps', '1']) == 0\n"
+              f"assert main(['train', '--run', {str(run)!r}]) == 0\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(m["step"], m["stage"]) for m in _metrics(run)] == [(1, "s512"), (2, "s1k")]
+
+
 def test_advance_refuses_a_run_without_checkpoint(short_shards: Path, tmp_path: Path) -> None:
     config = TrainConfig(data=str(short_shards), tokens_per_step=2048,
                          stages=(StageRun(name="s512", seq_len=512, micro_batch=2, token_budget=4096),
