@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -42,7 +43,7 @@ def _advance(run: RunDir, args: argparse.Namespace) -> dict:
 
 
 def _print(action: str, result: dict) -> None:
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)   # logs and pipes: no truncated numbers at 80
     if action == "plan":
         table = Table(title=f"curriculum (current {result['current']}, next {result['next']})")
         for col in ("stage", "seq_len", "micro_batch", "grad_accum", "world_size", "tokens/step", "steps", "budget",
