@@ -23,7 +23,7 @@ def prepare_chunks(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torc
 
     The state passes run one chain per (document, head) in launch order `order`: when the chains outnumber the GPU's
     slots, the longest starts first rather than whenever its index comes up (longest-processing-time first)."""
-    cu = cu_seqlens.cpu().long()
+    cu = HOST_CU_SEQLENS.get(cu_seqlens).long()
     n_chunks = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
     offsets = torch.cat([cu.new_zeros(1), n_chunks.cumsum(0)])
     seq = torch.repeat_interleave(torch.arange(n_chunks.numel()), n_chunks)
@@ -145,7 +145,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
                              f"shape {tuple(cu_seqlens.shape)}")
         if B != 1:
             raise ValueError(f"packed documents (cu_seqlens) need B == 1, got B={B}")
-        cu = cu_seqlens.cpu()
+        cu = HOST_CU_SEQLENS.get(cu_seqlens)
         if cu[0] != 0 or cu[-1] != T or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu.tolist()}")
         N = cu.numel() - 1
@@ -194,8 +194,6 @@ def chunk_kda(
     Returns o [B, T, H, V] (v's dtype) and the final state [N, H, K, V] float32 if asked, else None.
     Triton on CUDA (and on CPU under TRITON_INTERPRET=1), `naive_chunk_kda` elsewhere.
     """
-    if cu_seqlens is not None:
-        cu_seqlens = HOST_CU_SEQLENS.get(cu_seqlens)   # the chunk table is planned on the host
     _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, g_min)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not (q.is_cuda or INTERPRET):
