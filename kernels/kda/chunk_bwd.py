@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import anchor_exponents, sub_chunk_anchor
+from kernels.kda.chunk_intra import anchor_columns, as_dot_reads, own_anchor_rows, sub_chunk_anchor
 from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chain_bucket
 from kernels.kda.gate import load_log_decay, log_decay_grad
 from kernels.kda.tuning import configs, fit_v
@@ -208,34 +208,47 @@ def chunk_kda_bwd_dqkg_kernel(
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
 
-    # dq = scale dO S^T exp(G) + sum_j dA_qk[i, j] k_j exp(G_i - G_j), and through X = diag(beta) (V - K exp(G) S)
-    # R = sum_j dA_kk[i, j] k_j exp(G_i - G_j) (then dk as a reader): one loop, sub-chunk anchors on the rows, each
-    # anchor's exponents and k exp(c_a - G) built once for both.
-    b_dq = b_dqs * scale * tl.exp(b_G)
-    b_X = -tl.exp(b_G) * b_P
+    # The Gram products: per sub-chunk anchor a, dA [BT, BT] times k exp(c_a - G) (columns up to a's end, rounded
+    # to tf32 here so both sides below see the same operand), kept on a's rows; every row is rescaled around its own
+    # anchor afterwards (E = exp(G - c_a(i))). dq = scale dO S^T exp(G) + E D_qk, and through
+    # X = diag(beta) (V - K exp(G) S), X's gradient -exp(G) P + E D_kk (then dk as a reader).
+    o_t = tl.arange(0, BT)
+    b_Dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_Dk = tl.zeros([BT, BK], dtype=tl.float32)
     for a in range(BT // BC):
-        e_row, e_col = anchor_exponents(b_G, a, BT, BC)
-        b_kc = b_k * e_col
-        b_dq += e_row * tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC)
-        b_X += e_row * tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC)
-    tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
-    b_dG = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32) * b_dq
+        b_kc = as_dot_reads(b_k * anchor_columns(b_G, a, BT, BC), PREC)
+        m_a = ((o_t >= a * BC) & (o_t < a * BC + BC))[:, None]
+        b_Dq += tl.where(m_a, tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC), 0.)
+        b_Dk += tl.where(m_a, tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC), 0.)
+    b_eG = tl.exp(b_G)
+    b_E = own_anchor_rows(b_G, BT, BC)
+    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_dqs = b_dqs * scale * b_eG
+    tl.store(dq + p_k, (b_dqs + b_E * b_Dq).to(dq.dtype.element_ty), mask=m_t[:, None])
+    b_X = b_E * b_Dk - b_eG * b_P
     tl.store(dbeta + i_k * T * H + rows * H + i_h, tl.sum(b_k * b_X, 1), mask=m_t)
     b_dk = b_beta[:, None] * b_X                        # dk_read
-    b_dG += b_k * b_dk
+    # dG = q dq + k dk_read - k dk_write. The Gram parts cancel between rows and columns (their sum over the chunk is
+    # zero), so each is formed from the same tf32 operands on both sides: q exp(G - c_a) and k beta exp(G - c_a) as
+    # the column pass reads them, and k exp(c_a - G) as the row pass did. Rounded on one side only, tf32's 2^-11
+    # tripled dg's error in bf16 against the recurrence (GPU: 8.6e-3, fla-core 2.8e-3).
+    b_qr = as_dot_reads(b_q * b_E, PREC)
+    b_kbr = as_dot_reads(b_k * b_beta[:, None] * b_E, PREC)
+    b_dG = b_q * b_dqs - b_k * b_beta[:, None] * b_eG * b_P + b_qr * b_Dq + b_kbr * b_Dk
 
     # dk as a writer: through k exp(gamma - G) in the state update and k_j exp(-G_j) in both Gram matrices.
     b_dkw = b_dkd * tl.exp(b_gam[None, :] - b_G)
     b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dkw, 0)
-    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)   # read again, not kept since dq
-    b_kb = b_k * b_beta[:, None]
-    for a in range(BT // BC):
-        e_row, e_col = anchor_exponents(b_G, a, BT, BC)
-        b_w = tl.dot(tl.load(dAqk + p_At, mask=m_t[None, :], other=0.), b_q * e_row, input_precision=PREC)
-        b_w += tl.dot(tl.load(dAkk + p_At, mask=m_t[None, :], other=0.), b_kb * e_row, input_precision=PREC)
-        b_dkw += e_col * b_w
-    b_dk += b_dkw
     b_dG -= b_k * b_dkw
+    for a in range(BT // BC):
+        e_col = anchor_columns(b_G, a, BT, BC)
+        m_a = ((o_t >= a * BC) & (o_t < a * BC + BC))[:, None]
+        b_w = tl.dot(tl.load(dAqk + p_At, mask=m_t[None, :], other=0.), tl.where(m_a, b_qr, 0.), input_precision=PREC)
+        b_w += tl.dot(tl.load(dAkk + p_At, mask=m_t[None, :], other=0.), tl.where(m_a, b_kbr, 0.),
+                      input_precision=PREC)
+        b_dkw += e_col * b_w
+        b_dG -= as_dot_reads(b_k * e_col, PREC) * b_w
+    b_dk += b_dkw
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
 
     b_dg = tl.cumsum(b_dG, 0, reverse=True) + b_dgam[None, :]

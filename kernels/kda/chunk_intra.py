@@ -34,15 +34,40 @@ def sub_chunk_anchor(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def anchor_columns(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
+    """exp(c_a - G) on tokens up to the end of sub-chunk a (else 0): the column factor of a's rows."""
+    m_col = tl.arange(0, BT) < a * BC + BC
+    return tl.exp(tl.where(m_col[:, None], sub_chunk_anchor(b_G, a, BT, BC)[None, :] - b_G, float("-inf")))
+
+
+@triton.jit
 def anchor_exponents(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
     """exp(G - c_a) on the rows of sub-chunk a (else 0) and exp(c_a - G) on tokens up to its end (else 0)."""
     o_t = tl.arange(0, BT)
     b_c = sub_chunk_anchor(b_G, a, BT, BC)
     m_row = (o_t >= a * BC) & (o_t < a * BC + BC)
-    m_col = o_t < a * BC + BC
     e_row = tl.exp(tl.where(m_row[:, None], b_G - b_c[None, :], float("-inf")))
-    e_col = tl.exp(tl.where(m_col[:, None], b_c[None, :] - b_G, float("-inf")))
+    e_col = tl.exp(tl.where((o_t < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf")))
     return e_row, e_col
+
+
+@triton.jit
+def own_anchor_rows(b_G, BT: tl.constexpr, BC: tl.constexpr):
+    """exp(G - c_a) with a each row's own sub-chunk: the row factor of every anchor's block at once."""
+    o_t = tl.arange(0, BT)
+    b_C = tl.zeros_like(b_G)
+    for a in tl.static_range(1, BT // BC):
+        b_C = tl.where((o_t >= a * BC)[:, None], sub_chunk_anchor(b_G, a, BT, BC)[None, :], b_C)
+    return tl.exp(b_G - b_C)
+
+
+@triton.jit
+def as_dot_reads(x, PREC: tl.constexpr):
+    """x as a `tl.dot` of precision PREC reads it: rounded to tf32 (10-bit mantissa, nearest) for "tf32", else as
+    is, so an operand also used outside the dot is the same number the tensor cores multiplied."""
+    if PREC == "tf32":
+        x = ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return x
 
 
 @triton.jit

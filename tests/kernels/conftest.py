@@ -17,3 +17,11 @@ def _interpreter():
         if not torch.cuda.is_available():
             mp.setenv("TRITON_INTERPRET", "1")
         yield
+
+
+@pytest.fixture
+def gpu_numerics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter with a GPU's bf16 and tf32 arithmetic (``gpu_numerics.py``) for one test."""
+    from gpu_numerics import patch
+
+    patch(monkeypatch)
