@@ -1,6 +1,7 @@
 """KDA kernels against the float32 recurrence: outputs, final states and every gradient, on fresh random inputs.
 
-Without CUDA the Triton kernels run under the interpreter (fp32 only: it multiplies bf16 `tl.dot` operands wrongly).
+Without CUDA the Triton kernels run under the interpreter: in fp32, and in bf16 with the interpreter given a GPU's
+bf16 and tf32 arithmetic (`gpu_numerics.py`; as it ships, it multiplies bf16 `tl.dot` operands wrongly).
 """
 from __future__ import annotations
 
