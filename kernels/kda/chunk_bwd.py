@@ -116,9 +116,11 @@ def load_v_tiles(do, vn, dvn, p_v, m_t, dt: tl.constexpr):
 
 DA_SPACE = [({"BV": 32}, 4), ({"BV": 64}, 4), ({"BV": 64}, 8)]
 # Narrow K blocks keep the [BT, BK] gradient tiles in registers; nothing is repeated across K blocks but the loads
-# of dO, v_new and dv_new.
+# of dO, v_new and dv_new. BK = 16 at 4 warps is the one 4-warp config that ptxas (sm_90) fits without spills
+# (218 registers) since dG's Gram terms keep their products apart.
 DQKG_SPACE = [({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 8),
-              ({"BV": 64, "BK": 64}, 8)]
+              ({"BV": 64, "BK": 64}, 8), ({"BV": 32, "BK": 16}, 4)]
+DQKG_MIN_BK = min(meta["BK"] for meta, _ in DQKG_SPACE)
 
 
 @triton.autotune(configs(DA_SPACE), key=["H", "V"],
@@ -286,7 +288,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dq, dk, dv, dg = qg, kd, torch.empty_like(v), torch.empty_like(g)
     del qg, kd, gam, Aqk, w
     Ainv = saved.pop("Ainv")
-    slots = K // 32   # one partial dbeta per K block (at most K / 32), and one for the V part
+    slots = K // DQKG_MIN_BK   # one partial dbeta per K block of the narrowest config, and one for the V part
     dbeta = q.new_zeros(slots + 1, T, H, dtype=torch.float32)
     dAqk = q.new_empty(1, T, H, 64, dtype=torch.float32)
     dAkk = torch.empty_like(dAqk)
