@@ -334,6 +334,25 @@ def test_function_argument_errors() -> None:
         MoELayer(16, 8, 8, 2)(torch.randn(3, 15))
 
 
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU, test_grouped_mm_uneven_bf16_gpu runs bf16 itself")
+def test_grouped_mm_uneven_bf16_with_gpu_numerics(gpu_numerics: None) -> None:
+    """The Triton grouped GEMM in bf16 (forward, dx, dw) under the interpreter with a GPU's bf16 arithmetic
+    (tests/kernels/gpu_numerics.py): uneven groups, two of them empty, within bf16's rounding of the float32 loop."""
+    counts = torch.randint(1, 40, (6,))
+    counts[[1, 4]] = 0
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(6, 64, 32) / 8).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(x.shape[0], 32, dtype=torch.bfloat16)
+    out = grouped_mm(x, w, offs, backend="triton")
+    grads = torch.autograd.grad(out, (x, w), dy)
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = loop_grouped_mm(xf, wf, offs)
+    ref_grads = torch.autograd.grad(ref, (xf, wf), dy.float())
+    errors = [rel_err(out, ref), *(rel_err(a, b) for a, b in zip(grads, ref_grads))]
+    assert max(errors) <= 5e-3, errors
+
+
 # ---------------------------------------------------------------- GPU, real sizes, bf16
 
 
