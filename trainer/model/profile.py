@@ -1,14 +1,18 @@
 """Where a training step of the model spends its time: ``torch.profiler`` over forward + backward on one GPU.
 
-    python -m trainer.model.profile --preset small --seq-len 8192 [--steps 2] [--rows 40]
+    python -m trainer.model.profile --preset small --seq-len 8192 [--steps 2] [--rows 40] [--csv kernels.csv]
 
-Prints step time, tokens/s and MFU, the operators by self GPU time and by self CPU time, and the host-device
-synchronisations and device-to-host copies (each one stalls the launch queue), so the next optimisation targets a
-measured hot spot. When the CPU time per step exceeds the GPU time, the step is host-bound (launches, Python).
+Prints step time, tokens/s and MFU, the operators by self GPU time and by self CPU time, the GPU time per step of
+each kind of kernel (dense GEMM, expert GEMM, KDA, attention, Inductor-fused, MoE routing and indexing, copies,
+eager elementwise, other), and the host-device synchronisations and device-to-host copies (each one stalls the
+launch queue), so the next optimisation targets a measured hot spot. When the CPU time per step exceeds the GPU
+time, the step is host-bound (launches, Python). ``--csv`` writes every kernel (bucket, calls and GPU ms per step).
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import re
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,12 +28,47 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "Memcpy DtoH (Devi
             "Memcpy DtoH (Device -> Pinned)")
 
 
+# Kernel kinds by name, first match wins: ours and FlexAttention's Triton kernels before Inductor's generic prefixes.
+BUCKETS = (
+    ("kda", re.compile(r"chunk_kda|l2norm")),
+    ("attention", re.compile(r"flex_attention|triton_tem_fused|flash|fmha")),
+    ("expert gemm", re.compile(r"grouped")),
+    ("dense gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90_|_mm_", re.IGNORECASE)),
+    ("inductor fused", re.compile(r"^triton_(poi|red|per)_")),
+    ("routing & indexing", re.compile(r"combine_|swiglu_|topk|sort|histogram|scatter|gather|index", re.IGNORECASE)),
+    ("copy", re.compile(r"memcpy|memset|copy|cat|CatArray", re.IGNORECASE)),
+    ("eager elementwise", re.compile(r"elementwise|vectorized|reduce_kernel|unrolled")),
+)
+
+
+def bucket(kernel: str) -> str:
+    """The kind of a GPU kernel, from its name."""
+    return next((kind for kind, pattern in BUCKETS if pattern.search(kernel)), "other")
+
+
+def kernel_rows(events, steps: int) -> list[tuple[str, str, float, float]]:
+    """(bucket, kernel, calls per step, GPU ms per step) of every GPU kernel, most time first."""
+    rows = [(bucket(e.key), e.key, e.count / steps, e.self_device_time_total / steps / 1e3)
+            for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[3])
+
+
+def print_buckets(rows: list[tuple[str, str, float, float]]) -> None:
+    total = sum(r[3] for r in rows) or 1.0
+    print(f"GPU time per step by kind of kernel ({total:.1f} ms in all):")
+    for kind in [k for k, _ in BUCKETS] + ["other"]:
+        mine = [r for r in rows if r[0] == kind]
+        ms = sum(r[3] for r in mine)
+        print(f"  {kind:18s} {ms:9.2f} ms {ms / total:6.1%}  {sum(r[2] for r in mine):8.0f} launches")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=2, help="profiled steps after two warm-up steps")
     parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--csv", help="write every GPU kernel (bucket, calls and ms per step) here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -53,6 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     events = prof.key_averages()
     print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows // 2, max_name_column_width=70))
+    rows = kernel_rows(events, args.steps)
+    print_buckets(rows)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["bucket", "kernel", "calls_per_step", "gpu_ms_per_step"])
+            writer.writerows(rows)
     print("host-device synchronisations per step:")
     for e in events:
         if e.key in SYNC_OPS:

@@ -1,0 +1,33 @@
+"""The profiler's kernel buckets: GPU kernel names as the H200 profiles printed them, sorted into kinds."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from trainer.model.profile import bucket, kernel_rows
+
+
+def test_kernel_names_fall_into_their_kinds() -> None:
+    kinds = {
+        "chunk_kda_bwd_dqkg_kernel": "kda", "l2norm_fwd_kernel": "kda",
+        "triton_tem_fused_flex_attention_0": "attention",
+        "grouped_mm_kernel": "expert gemm", "grouped_wgrad_kernel": "expert gemm",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "dense gemm", "sm90_xmma_gemm_bf16bf16_bf16f32": "dense gemm",
+        "triton_poi_fused_add_mul_0": "inductor fused", "triton_red_fused_cat_sum_1": "inductor fused",
+        "combine_fwd_kernel": "routing & indexing", "void at::native::sbtopk::gatherTopK<float>": "routing & indexing",
+        "Memcpy HtoD (Pinned -> Device)": "copy",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor>": "eager elementwise",
+        "void at::native::reduce_kernel<512, 1>": "eager elementwise",
+        "ncclDevKernel_AllReduce_Sum": "other",
+    }
+    assert {name: bucket(name) for name in kinds} == kinds
+
+
+def test_kernel_rows_are_per_step_and_gpu_only() -> None:
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(key="triton_poi_fused_add_0", count=6, self_device_time_total=3000., device_type=cuda),
+              SimpleNamespace(key="chunk_kda_fwd_h_kernel", count=2, self_device_time_total=9000., device_type=cuda),
+              SimpleNamespace(key="aten::mm", count=4, self_device_time_total=0., device_type=cpu)]
+    assert kernel_rows(events, steps=2) == [("kda", "chunk_kda_fwd_h_kernel", 1.0, 4.5),
+                                            ("inductor fused", "triton_poi_fused_add_0", 3.0, 1.5)]
