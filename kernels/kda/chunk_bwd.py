@@ -214,7 +214,6 @@ def chunk_kda_bwd_dqkg_kernel(
     # to tf32 here so both sides below see the same operand), kept on a's rows; every row is rescaled around its own
     # anchor afterwards (E = exp(G - c_a(i))). dq = scale dO S^T exp(G) + E D_qk, and through
     # X = diag(beta) (V - K exp(G) S), X's gradient -exp(G) P + E D_kk (then dk as a reader).
-    o_t = tl.arange(0, BT)
     b_Dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_Dk = tl.zeros([BT, BK], dtype=tl.float32)
     for a in range(BT // BC):
