@@ -1,6 +1,9 @@
 """Where a training step of the model spends its time: ``torch.profiler`` over forward + backward on one GPU.
 
     python -m trainer.model.profile --preset small --seq-len 8192 [--steps 2] [--rows 40] [--csv kernels.csv]
+        [--no-recompute]
+
+The 8k stage's micro-batch of 16 × 8,192 tokens is one packed sequence to the model: ``--seq-len 131072``.
 
 Prints step time, tokens/s and MFU, the operators by self GPU time and by self CPU time, the GPU time per step of
 each kind of kernel (dense GEMM, expert GEMM, KDA, attention, Inductor-fused, MoE routing and indexing, copies,
@@ -69,10 +72,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2, help="profiled steps after two warm-up steps")
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--csv", help="write every GPU kernel (bucket, calls and ms per step) here")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="activation checkpointing off (the preset's decoder layers recompute by default)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LongweaveModel(preset(args.preset)).to(torch.bfloat16)
+        config = preset(args.preset)
+        if args.no_recompute:
+            config.checkpoint_layers = False
+        model = LongweaveModel(config).to(torch.bfloat16)
     batch, doc_lengths = synthetic_batch(args.seq_len, torch.Generator().manual_seed(0))
     batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
 
