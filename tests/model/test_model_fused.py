@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.model.attn_res import inv_rms, mix_sources
+from trainer.model.attn_res import inv_rms, mix_and_norm, mix_sources
 from trainer.model.fused import gated_rms_norm, joint_linear, sigmoid_gate
 from trainer.model.kda import ShortConv, short_conv_silu
 from trainer.model.multimodal import true_positions
@@ -36,12 +36,16 @@ def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
                                                                t(8, 4, kind=torch.float32)], _positions(lengths, device))),
         ("inv_rms", inv_rms, (t(T, d), 1e-6)),
         ("mix", mix_sources, (sources, rms, t(d, kind=torch.float32))),
+        ("mix_and_norm", mix_and_norm, (sources, rms, t(d, kind=torch.float32), t(d, kind=torch.float32), 1e-6)),
         ("gated_rms_norm", gated_rms_norm, (t(T, 2, 32), t(32, kind=torch.float32), 1e-6,
                                             t(T, 96)[:, 16:80].view(T, 2, 32))),  # a column slice, as in KDALayer
         ("sigmoid_gate", sigmoid_gate, (t(T, d), t(T, 2 * d)[:, d:])),
         ("rope", _apply_rope, (t(T, 2, 32), t(T, 2, 32), t(T, 32, grad=False, kind=torch.float32),
                                t(T, 32, grad=False, kind=torch.float32))),
     ]
+
+
+CASE_IDS = [c[0] for c in _cases("cpu", torch.float32)]
 
 
 def _leaves(args: tuple) -> list[torch.Tensor]:
@@ -57,7 +61,7 @@ def _outputs_and_grads(fn, args: tuple) -> list[torch.Tensor]:  # noqa: ANN001
     return [o.detach() for o in outs] + list(torch.autograd.grad(loss, leaves))
 
 
-@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _cases("cpu", torch.float32)])
+@pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
 def test_fused_pieces_trace_whole_and_match_the_plain_functions(case: int) -> None:
     """fullgraph tracing through AOTAutograd (the front half of what inductor compiles) on the CPU."""
     name, fn, args = _cases("cpu", torch.float32)[case]
@@ -68,7 +72,7 @@ def test_fused_pieces_trace_whole_and_match_the_plain_functions(case: int) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _cases("cpu", torch.float32)])
+@pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_pieces_match_the_plain_functions_on_cuda(case: int, dtype: torch.dtype) -> None:
     """What ``cuda_compiled`` runs (inductor) against the plain function, outputs and every gradient. In bf16 the

@@ -165,6 +165,30 @@ def _sublayers(n: int, d: int) -> list[torch.nn.Module]:
     return [torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh()) for _ in range(n)]
 
 
+@pytest.mark.parametrize("residuals", [BlockAttnRes(16, 6, block_size=2), StandardResiduals()],
+                         ids=["attn-res", "standard"])
+def test_normed_input_is_the_norm_of_the_sublayer_input(residuals: torch.nn.Module) -> None:
+    """What a decoder layer consumes, ``normed_input(state, l, norm)`` (mixture and norm fused on CUDA), equals
+    ``norm(sublayer_input(state, l))`` at every sublayer, gradients included."""
+    torch.manual_seed(0)
+    if isinstance(residuals, BlockAttnRes):
+        with torch.no_grad():
+            residuals.queries.normal_()
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    embedding = torch.randn(9, 16, requires_grad=True)
+    state = residuals.begin(embedding)
+    for index, f in enumerate(_sublayers(6, 16)):
+        fused, plain = residuals.normed_input(state, index, norm), norm(residuals.sublayer_input(state, index))
+        torch.testing.assert_close(fused, plain)
+        grads = [torch.autograd.grad(h.square().sum(), [embedding, norm.weight], retain_graph=True)
+                 for h in (fused, plain)]
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want)
+        state = residuals.add(state, index, f(plain))
+
+
 def test_zero_pseudo_queries_average_the_sources_uniformly() -> None:
     d, n = 16, 6
     embedding = torch.randn(10, d)

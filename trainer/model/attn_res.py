@@ -9,18 +9,20 @@ finished blocks ``[b_0 = v_0, b_1, …, b_{n−1}]`` plus the partial ``b_n`` on
 per block this is exactly full AttnRes.
 
 Both kinds share one interface, so a decoder layer does not know which it runs under: ``begin(embedding)`` → state,
-``sublayer_input(state, l)`` → ``h_l``, ``add(state, l, v_l)`` → state, ``output(state)`` → the final hidden state.
+``sublayer_input(state, l)`` → ``h_l``, ``normed_input(state, l, norm)`` → ``norm(h_l)`` (what a sublayer consumes),
+``add(state, l, v_l)`` → state, ``output(state)`` → the final hidden state.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vision.fusion import cuda_compiled
 
-__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms", "mix_sources"]
+__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms", "mix_sources", "mix_and_norm"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +60,15 @@ def mix_sources(sources: list[torch.Tensor], inv_rms: list[torch.Tensor], query:
     return mixed.to(sources[0].dtype)
 
 
+@cuda_compiled
+def mix_and_norm(sources: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor,
+                 weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm(mix_sources(...))`` with the norm's ``weight`` ``[d]``: a sublayer's input as it consumes it. On CUDA
+    the mixture and the norm compile together, so the mixture is never written out and read back, and the norm
+    skips PyTorch's own RMSNorm kernels (far from the copy bandwidth in bf16, backward especially)."""
+    return F.rms_norm(mix_sources(sources, inv_rms, query), (weight.shape[0],), weight, eps)
+
+
 class StandardResiduals(nn.Module):
     """``h_{l+1} = h_l + v_l`` (AttnRes off)."""
 
@@ -67,6 +78,9 @@ class StandardResiduals(nn.Module):
     def sublayer_input(self, state: ResidualState, index: int) -> torch.Tensor:
         assert state.partial is not None
         return state.partial
+
+    def normed_input(self, state: ResidualState, index: int, norm: nn.RMSNorm) -> torch.Tensor:
+        return norm(self.sublayer_input(state, index))
 
     def add(self, state: ResidualState, index: int, value: torch.Tensor) -> ResidualState:
         assert state.partial is not None
@@ -91,18 +105,24 @@ class BlockAttnRes(nn.Module):
     def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
         return inv_rms(x, self.eps)
 
-    def _mix(self, state: ResidualState, query: torch.Tensor) -> torch.Tensor:
+    def _sources(self, state: ResidualState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         sources, rms = list(state.blocks), list(state.inv_rms)
         if state.partial is not None:
             sources.append(state.partial)
             rms.append(self._inv_rms(state.partial))
-        return mix_sources(sources, rms, query)
+        return sources, rms
+
+    def _mix(self, state: ResidualState, query: torch.Tensor) -> torch.Tensor:
+        return mix_sources(*self._sources(state), query)
 
     def begin(self, embedding: torch.Tensor) -> ResidualState:
         return ResidualState(blocks=(embedding,), inv_rms=(self._inv_rms(embedding),), partial=None)
 
     def sublayer_input(self, state: ResidualState, index: int) -> torch.Tensor:
         return self._mix(state, self.queries[index])
+
+    def normed_input(self, state: ResidualState, index: int, norm: nn.RMSNorm) -> torch.Tensor:
+        return mix_and_norm(*self._sources(state), self.queries[index], norm.weight, norm.eps)
 
     def add(self, state: ResidualState, index: int, value: torch.Tensor) -> ResidualState:
         partial = value if state.partial is None else state.partial + value

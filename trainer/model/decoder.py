@@ -49,10 +49,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, state: ResidualState, residuals: nn.Module, seq: PackedSequence) -> ResidualState:
         mixer_at, ffn_at = 2 * self.index, 2 * self.index + 1
-        h = residuals.sublayer_input(state, mixer_at)
-        state = residuals.add(state, mixer_at, self.mixer(self.mixer_norm(h), seq))
-        h = residuals.sublayer_input(state, ffn_at)
-        return residuals.add(state, ffn_at, self.ffn(self.ffn_norm(h)))
+        h = residuals.normed_input(state, mixer_at, self.mixer_norm)
+        state = residuals.add(state, mixer_at, self.mixer(h, seq))
+        h = residuals.normed_input(state, ffn_at, self.ffn_norm)
+        return residuals.add(state, ffn_at, self.ffn(h))
 
 
 class Decoder(nn.Module):
