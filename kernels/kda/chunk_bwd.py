@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import anchor_columns, as_dot_reads, own_anchor_rows, sub_chunk_anchor
+from kernels.kda.chunk_intra import anchor_columns, as_dot_reads, own_anchor_rows, sub_chunk_anchor, sub_chunk_rows
 from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chain_bucket
 from kernels.kda.gate import load_log_decay, log_decay_grad
 from kernels.kda.tuning import configs, fit_v
@@ -218,7 +218,7 @@ def chunk_kda_bwd_dqkg_kernel(
     b_Dk = tl.zeros([BT, BK], dtype=tl.float32)
     for a in range(BT // BC):
         b_kc = as_dot_reads(b_k * anchor_columns(b_G, a, BT, BC), PREC)
-        m_a = ((o_t >= a * BC) & (o_t < a * BC + BC))[:, None]
+        m_a = sub_chunk_rows(a, BT, BC)
         b_Dq += tl.where(m_a, tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC), 0.)
         b_Dk += tl.where(m_a, tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC), 0.)
     b_eG = tl.exp(b_G)
@@ -243,7 +243,7 @@ def chunk_kda_bwd_dqkg_kernel(
     b_dG -= b_k * b_dkw
     for a in range(BT // BC):
         e_col = anchor_columns(b_G, a, BT, BC)
-        m_a = ((o_t >= a * BC) & (o_t < a * BC + BC))[:, None]
+        m_a = sub_chunk_rows(a, BT, BC)
         b_w = tl.dot(tl.load(dAqk + p_At, mask=m_t[None, :], other=0.), tl.where(m_a, b_qr, 0.), input_precision=PREC)
         b_w += tl.dot(tl.load(dAkk + p_At, mask=m_t[None, :], other=0.), tl.where(m_a, b_kbr, 0.),
                       input_precision=PREC)

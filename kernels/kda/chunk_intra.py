@@ -34,6 +34,13 @@ def sub_chunk_anchor(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def sub_chunk_rows(a, BT: tl.constexpr, BC: tl.constexpr):
+    """[BT, 1] mask of the rows of sub-chunk a."""
+    o_t = tl.arange(0, BT)
+    return ((o_t >= a * BC) & (o_t < a * BC + BC))[:, None]
+
+
+@triton.jit
 def anchor_columns(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
     """exp(c_a - G) on tokens up to the end of sub-chunk a (else 0): the column factor of a's rows."""
     m_col = tl.arange(0, BT) < a * BC + BC
@@ -43,11 +50,9 @@ def anchor_columns(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def anchor_exponents(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
     """exp(G - c_a) on the rows of sub-chunk a (else 0) and exp(c_a - G) on tokens up to its end (else 0)."""
-    o_t = tl.arange(0, BT)
     b_c = sub_chunk_anchor(b_G, a, BT, BC)
-    m_row = (o_t >= a * BC) & (o_t < a * BC + BC)
-    e_row = tl.exp(tl.where(m_row[:, None], b_G - b_c[None, :], float("-inf")))
-    e_col = tl.exp(tl.where((o_t < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf")))
+    e_row = tl.exp(tl.where(sub_chunk_rows(a, BT, BC), b_G - b_c[None, :], float("-inf")))
+    e_col = tl.exp(tl.where((tl.arange(0, BT) < a * BC + BC)[:, None], b_c[None, :] - b_G, float("-inf")))
     return e_row, e_col
 
 
