@@ -12,12 +12,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StageRun", "TrainConfig", "load_train_config"]
+__all__ = ["Recompute", "StageRun", "TrainConfig", "load_train_config", "recompute_label"]
+
+# Activation checkpointing: true (every decoder layer recomputes in the backward), false (none), or N (the first N).
+Recompute = bool | int
 
 
 def _require(ok: bool, field: str, problem: str) -> None:
     if not ok:
         raise ValueError(f"{field}: {problem}")
+
+
+def _is_recompute(value: object) -> bool:
+    return isinstance(value, bool) or (isinstance(value, int) and value >= 0)
+
+
+def recompute_label(setting: Recompute) -> str:
+    """How plans, logs and metrics show a stage's activation checkpointing."""
+    if isinstance(setting, bool):
+        return "on" if setting else "off"
+    return f"first {setting} layer{'' if setting == 1 else 's'}"
 
 
 def _positive(owner: str, obj: object, *names: str) -> None:
@@ -36,15 +50,16 @@ class StageRun:
     micro_batch: int = 1
     token_budget: int  # tokens to train on in this stage (optimizer steps × tokens_per_step)
     # None: the run's `activation_checkpointing`. Recomputing every layer in the backward costs about a third more
-    # compute; a short stage whose activations fit can turn it off, the long ones need it (the 1M step does).
-    activation_checkpointing: bool | None = None
+    # compute; a short stage whose activations fit can turn it off or recompute only its first N layers, the long
+    # ones need all of it (the 1M step does).
+    activation_checkpointing: Recompute | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(self.name), "stages[].name", f"must be a non-empty str, got {self.name!r}")
         _positive(f"stages[{self.name}]", self, "seq_len", "micro_batch", "token_budget")
-        _require(self.activation_checkpointing is None or isinstance(self.activation_checkpointing, bool),
+        _require(self.activation_checkpointing is None or _is_recompute(self.activation_checkpointing),
                  f"stages[{self.name}].activation_checkpointing",
-                 f"must be true, false or absent, got {self.activation_checkpointing!r}")
+                 f"must be true, false, a number of layers or absent, got {self.activation_checkpointing!r}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -62,7 +77,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     zero_stage: int = 1
     bf16: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: Recompute = False
     seed: int = 0
     num_workers: int = 2
     bad_sample_policy: str = "skip"
@@ -91,7 +106,9 @@ class TrainConfig:
         _require(0.0 <= self.decay_fraction <= 1.0, "decay_fraction", f"must lie in [0, 1], got {self.decay_fraction}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        for name in ("bf16", "activation_checkpointing", "auto_advance", "save_checkpoints"):
+        _require(_is_recompute(self.activation_checkpointing), "activation_checkpointing",
+                 f"must be true, false or a number of layers, got {self.activation_checkpointing!r}")
+        for name in ("bf16", "auto_advance", "save_checkpoints"):
             _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         _require(self.zero_stage in (0, 1, 2), "zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")
         _require(self.bad_sample_policy in ("fail", "skip"), "bad_sample_policy",
@@ -108,8 +125,8 @@ class TrainConfig:
                  f"seq_len {stage.seq_len} × world size {world_size}")
         return self.tokens_per_step // per_micro
 
-    def checkpointing(self, stage: StageRun) -> bool:
-        """Whether this stage recomputes layer activations in the backward: its own setting, else the run's."""
+    def checkpointing(self, stage: StageRun) -> Recompute:
+        """Which layers this stage recomputes in the backward: its own setting, else the run's."""
         return self.activation_checkpointing if stage.activation_checkpointing is None else stage.activation_checkpointing
 
     def steps_in(self, stage: StageRun) -> int:

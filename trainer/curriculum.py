@@ -14,7 +14,7 @@ from typing import Any
 
 from schemas.errors import SchemaError
 from schemas.manifest import MANIFEST_NAME, ShardManifest
-from trainer.config import StageRun, TrainConfig
+from trainer.config import Recompute, StageRun, TrainConfig
 from trainer.run_dir import RunDir, write_json_atomic
 
 __all__ = ["StageError", "StagePlan", "plan_stage", "stage_manifest", "check_fingerprints", "next_stage", "advance"]
@@ -34,7 +34,7 @@ class StagePlan:
     tokens_per_step: int
     steps: int
     token_budget: int
-    activation_checkpointing: bool
+    activation_checkpointing: Recompute
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from trainer.config import recompute_label
 from trainer.curriculum import StageError, advance, next_stage, plan_stage
 from trainer.run_dir import RunDir
 
@@ -52,7 +53,7 @@ def _print(action: str, result: dict) -> None:
         for p in result["stages"]:
             table.add_row(p["stage"], f"{p['seq_len']:,}", str(p["micro_batch"]), str(p["grad_accum"]),
                           str(p["world_size"]), f"{p['tokens_per_step']:,}", f"{p['steps']:,}", f"{p['token_budget']:,}",
-                          "on" if p["activation_checkpointing"] else "off")
+                          recompute_label(p["activation_checkpointing"]))
         console.print(table)
     else:
         table = Table(title=f"stage {action}")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kernels.moe import step_moe_balance
-from trainer.config import TrainConfig, load_train_config
+from trainer.config import TrainConfig, load_train_config, recompute_label
 from trainer.curriculum import StageError, advance, check_fingerprints, plan_stage, stage_manifest
 from trainer.data.loader import build_loader
 from trainer.engine import build_engine, deepspeed_config, init_distributed, set_stage_batch
@@ -150,6 +150,10 @@ class Trainer:
         self.plan = plan_stage(config, stage, self.world_size)
         set_stage_batch(self.engine, stage.micro_batch, self.plan.grad_accum, self.world_size)
         self.model_config.checkpoint_layers = self.plan.activation_checkpointing   # the decoder reads it per forward
+        try:
+            self.model_config.recomputed_layers()
+        except ValueError as err:
+            raise ValueError(f"stages[{name}].activation_checkpointing: {err}") from None
         self.loader = build_loader(Path(config.data) / name, rank=self.rank, world_size=self.world_size,
                                    num_workers=config.num_workers, seed=config.seed, micro_batch=stage.micro_batch,
                                    policy=config.bad_sample_policy)
@@ -158,7 +162,7 @@ class Trainer:
         self.batches: Iterator[dict[str, Any]] = iter(self.loader)
         log.info("stage %s: seq_len %d, micro_batch %d, grad_accum %d, %d steps, activation checkpointing %s", name,
                  stage.seq_len, stage.micro_batch, self.plan.grad_accum, self.plan.steps,
-                 "on" if self.plan.activation_checkpointing else "off")
+                 recompute_label(self.plan.activation_checkpointing))
 
     def save_checkpoint(self) -> Path:
         tag = f"step-{self.state.step:08d}"

@@ -10,15 +10,9 @@ import sys
 import pytest
 import torch
 
-INTERPRET = not torch.cuda.is_available()
-if INTERPRET:
-    # Triton picks interpreter or compiler when a kernel is defined, so (re)import the KDA modules with it on; the
-    # folder's conftest fixture keeps it on while the tests run (see tests/kernels/conftest.py).
-    with pytest.MonkeyPatch.context() as _mp:
-        _mp.setenv("TRITON_INTERPRET", "1")
-        for _name in [m for m in sys.modules if m == "kernels.kda" or m.startswith("kernels.kda.")]:
-            del sys.modules[_name]
-        import kernels.kda  # noqa: E402,F401
+from interpreted import INTERPRET, import_interpreted
+
+import_interpreted("kernels.kda")
 
 from kernels.kda import chunk_kda, naive_chunk_kda, naive_recurrent_kda  # noqa: E402
 from kernels.kda.gate import kda_gate  # noqa: E402

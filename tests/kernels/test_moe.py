@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -10,15 +9,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
-INTERPRET = not torch.cuda.is_available()
-if INTERPRET:
-    # Triton picks interpreter or compiler when a kernel is defined: (re)import kernels.moe with it on. The
-    # folder's conftest fixture keeps it on while the tests run (see tests/kernels/conftest.py).
-    with pytest.MonkeyPatch.context() as _mp:
-        _mp.setenv("TRITON_INTERPRET", "1")
-        for _name in [m for m in sys.modules if m == "kernels.moe" or m.startswith("kernels.moe.")]:
-            del sys.modules[_name]
-        import kernels.moe  # noqa: F401
+from interpreted import INTERPRET, import_interpreted
+
+import_interpreted("kernels.moe")
 
 from kernels.moe import (
     MoELayer,

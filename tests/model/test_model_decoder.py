@@ -188,10 +188,40 @@ def test_chunked_cross_entropy_equals_the_full_loss() -> None:
     (dict(n_layers=3), r"ModelConfig.attn_res.n_blocks: must divide the 6 sublayers"),
     (dict(moe=MoEConfig(n_dense_layers=9)), r"ModelConfig.moe.n_dense_layers: must be <= n_layers=4"),
     (dict(d_model=0), r"ModelConfig.d_model: must be a positive int, got 0"),
+    (dict(checkpoint_layers=5), r"ModelConfig.checkpoint_layers: must be true, false or a layer count in \[0, 4\], "
+                                r"got 5"),
 ])
 def test_config_errors_name_the_field(change: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(tiny(), **change)
+
+
+def test_only_the_first_n_layers_recompute(pieces: list[Piece]) -> None:
+    """checkpoint_layers = N runs decoder layers 0..N-1 twice per step (forward, then the backward's recompute) and
+    the others once; the loss and every gradient are the same whichever layers recompute."""
+    batch = make_batch([[pieces[0], pieces[1]]])
+    torch.manual_seed(0)
+    model = LongweaveModel(tiny())
+    calls = [0] * len(model.decoder.layers)
+    for i, layer in enumerate(model.decoder.layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+
+    def step(setting: bool | int) -> tuple[list[int], float, dict[str, torch.Tensor]]:
+        calls[:] = [0] * len(calls)
+        model.config.checkpoint_layers = setting
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return list(calls), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    runs = {setting: step(setting) for setting in (False, 2, True)}
+    assert [runs[s][0] for s in (False, 2, True)] == [[1, 1, 1, 1], [2, 2, 1, 1], [2, 2, 2, 2]]
+    plain_loss, plain_grads = runs[False][1:]
+    for setting in (2, True):
+        loss, grads = runs[setting][1:]
+        assert loss == plain_loss and grads.keys() == plain_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_config_round_trips_through_a_dict() -> None:

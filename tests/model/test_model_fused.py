@@ -5,19 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from trainer.model.attn_res import inv_rms, mix_and_norm, mix_sources
 from trainer.model.fused import gated_rms_norm, joint_linear, sigmoid_gate
-from trainer.model.kda import ShortConv, short_conv_silu
-from trainer.model.multimodal import true_positions
-from trainer.model.sequence import packed_sequence
 from vision.encoder import _apply_rope
-
-
-def _positions(lengths: list[int], device: str = "cpu") -> torch.Tensor:
-    cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
-    return packed_sequence(cu, sum(lengths), with_mask=False, device=device).positions
 
 
 def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
@@ -28,12 +19,9 @@ def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
         return torch.randn(*shape, generator=g).to(device, kind).requires_grad_(grad)
 
     T, d = 70, 48
-    lengths = [5, 2, 40, 23]
     sources = [t(T, d) for _ in range(3)]
     rms = [inv_rms.plain(s.detach(), 1e-6) for s in sources]
     return [
-        ("short_conv", short_conv_silu, ([t(T, 16), t(T, 8)], [t(16, 4, kind=torch.float32),
-                                                               t(8, 4, kind=torch.float32)], _positions(lengths, device))),
         ("inv_rms", inv_rms, (t(T, d), 1e-6)),
         ("mix", mix_sources, (sources, rms, t(d, kind=torch.float32))),
         ("mix_and_norm", mix_and_norm, (sources, rms, t(d, kind=torch.float32), t(d, kind=torch.float32), 1e-6)),
@@ -96,3 +84,20 @@ def test_compiled_pieces_match_the_plain_functions_on_cuda(case: int, dtype: tor
     for got, want, ref in zip(got_all, want_all, refs, strict=True):
         err_got, err_want = (got.float() - ref).norm(), (want.float() - ref).norm()
         assert err_got <= 2 * err_want + 1e-3 * ref.norm(), (name, err_got.item(), err_want.item())
+
+
+def test_joint_linear_equals_the_separate_layers() -> None:
+    """One GEMM gives each layer's output, a grouped part its layers' outputs side by side; gradients too."""
+    torch.manual_seed(0)
+    x = torch.randn(10, 12, requires_grad=True)
+    layers = [torch.nn.Linear(12, n, bias=False) for n in (4, 6, 3, 5)]
+    joint = joint_linear(x, (layers[0], layers[1]), layers[2], layers[3])
+    assert [tuple(o.shape) for o in joint] == [(10, 10), (10, 3), (10, 5)]
+    separate = [torch.cat([layers[0](x), layers[1](x)], dim=1), layers[2](x), layers[3](x)]
+    grads = [torch.randn_like(o) for o in separate]
+    got = torch.autograd.grad(joint, [x, *(layer.weight for layer in layers)], grads)
+    want = torch.autograd.grad(separate, [x, *(layer.weight for layer in layers)], grads)
+    for a, b in zip(joint, separate, strict=True):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

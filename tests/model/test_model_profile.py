@@ -13,6 +13,10 @@ def test_kernel_names_fall_into_their_kinds() -> None:
         "chunk_kda_bwd_dqkg_kernel": "kda", "l2norm_fwd_kernel": "kda",
         "triton_tem_fused_flex_attention_0": "attention",
         "grouped_mm_kernel": "expert gemm", "grouped_wgrad_kernel": "expert gemm",
+        # torch._grouped_mm on sm_90 (name cut short); a plain CUTLASS GEMM stays dense
+        "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_"
+        "17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS5_10collective13CollectiveMma": "expert gemm",
+        "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalIN4cute5tupleIJiiiiEEENS1_10collective": "dense gemm",
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "dense gemm", "sm90_xmma_gemm_bf16bf16_bf16f32": "dense gemm",
         "triton_poi_fused_add_mul_0": "inductor fused", "triton_red_fused_cat_sum_1": "inductor fused",
         "combine_fwd_kernel": "routing & indexing", "void at::native::sbtopk::gatherTopK<float>": "routing & indexing",

@@ -157,22 +157,27 @@ def test_config_errors_name_the_field(short_shards: Path) -> None:
         StageRun(name="b", seq_len=0, token_budget=1)
     with pytest.raises(ValueError, match="unknown config key"):
         TrainConfig.from_dict({"data": "x", "tokens_per_step": 1, "stages": [], "colour": 1})
-    with pytest.raises(ValueError, match=r"stages\[c\]\.activation_checkpointing: must be true, false or absent"):
-        StageRun(name="c", seq_len=8, token_budget=8, activation_checkpointing="yes")
+    for bad in ("yes", -1):
+        with pytest.raises(ValueError, match=r"stages\[c\]\.activation_checkpointing: must be true, false, a number of "
+                                             r"layers or absent, got"):
+            StageRun(name="c", seq_len=8, token_budget=8, activation_checkpointing=bad)
+    with pytest.raises(ValueError, match=r"^activation_checkpointing: must be true, false or a number of layers"):
+        TrainConfig(data=str(short_shards), tokens_per_step=3000, stages=stages, activation_checkpointing=1.5)
 
 
 def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_shards: Path, tmp_path: Path) -> None:
-    """Also: the first stage turns activation checkpointing off for itself, the second keeps the run's (on)."""
+    """Also: the first stage recomputes only its first decoder layer, the second keeps the run's setting (every
+    layer)."""
     config = tmp_path / "config.yaml"
     text = _config_yaml(short_shards, 2, 1, save_checkpoints=False, activation_checkpointing=True)
     config.write_text(text.replace("micro_batch: 1, token_budget: 2048}", "micro_batch: 1, token_budget: 2048, "
-                                   "activation_checkpointing: false}"))
+                                   "activation_checkpointing: 1}"))
     run = tmp_path / "run"
     proc = _train(run, config)
     assert proc.wait(timeout=900) == 0, proc.stderr.read().decode()[-3000:]
     metrics = _metrics(run)
     assert [(m["step"], m["stage"], m["micro_batch"], m["grad_accum"], m["activation_checkpointing"])
-            for m in metrics] == [(1, "s512", 1, 2, False), (2, "s512", 1, 2, False), (3, "s1k", 1, 1, True)]
+            for m in metrics] == [(1, "s512", 1, 2, 1), (2, "s512", 1, 2, 1), (3, "s1k", 1, 1, True)]
     assert all(m["process_seconds"] >= m["step_seconds"] > 0 for m in metrics)
     assert RunDir(run).complete_checkpoints() == []  # none at the transition, periodically, or at the end
     transitions = [json.loads(line) for line in (run / "transitions.jsonl").read_text().splitlines()]

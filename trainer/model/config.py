@@ -118,7 +118,10 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     ce_chunk_tokens: int = 8192  # rows of logits alive at once in the loss
-    checkpoint_layers: bool = False  # activation checkpointing per decoder layer
+    # Activation checkpointing of the decoder layers: True (every layer), False (none), or N: the first N layers
+    # recompute in the backward and the rest keep their activations (Megatron's "block" recompute method), for a
+    # stage whose activations almost fit: each layer left out saves its share of the recompute.
+    checkpoint_layers: bool | int = False
 
     def __post_init__(self) -> None:
         require_positive_ints(self, "vocab_size", "d_model", "n_layers", "ce_chunk_tokens")
@@ -126,6 +129,7 @@ class ModelConfig:
         if not self.layer_pattern or any(kind not in LAYER_KINDS for kind in self.layer_pattern):
             raise ValueError(f"ModelConfig.layer_pattern: must be a non-empty sequence of {LAYER_KINDS}, "
                              f"got {self.layer_pattern!r}")
+        self.recomputed_layers()
         if not 0 <= self.image_pad_id < self.vocab_size:
             raise ValueError(f"ModelConfig.image_pad_id: must lie in [0, vocab_size), got {self.image_pad_id}")
         if self.moe.n_dense_layers > self.n_layers:
@@ -148,6 +152,16 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready nested dict (tuples become lists)."""
         return dataclasses.asdict(self)
+
+    def recomputed_layers(self) -> int:
+        """How many decoder layers, counted from the first, recompute their activations in the backward."""
+        setting = self.checkpoint_layers
+        if isinstance(setting, bool):
+            return self.n_layers if setting else 0
+        if not isinstance(setting, int) or not 0 <= setting <= self.n_layers:
+            raise ValueError(f"ModelConfig.checkpoint_layers: must be true, false or a layer count in "
+                             f"[0, {self.n_layers}], got {setting!r}")
+        return setting
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:

@@ -74,8 +74,9 @@ class Decoder(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: PackedSequence) -> torch.Tensor:
         state = self.residuals.begin(x)
-        for layer in self.layers:
-            if self.config.checkpoint_layers and torch.is_grad_enabled():
+        recomputed = self.config.recomputed_layers() if torch.is_grad_enabled() else 0
+        for i, layer in enumerate(self.layers):
+            if i < recomputed:
                 state = checkpoint(layer, state, self.residuals, seq, use_reentrant=False)
             else:
                 state = layer(state, self.residuals, seq)

@@ -2,6 +2,8 @@
 fused kernel on CUDA (``vision.fusion.cuda_compiled``; the plain PyTorch expression elsewhere)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,12 +13,14 @@ from vision.fusion import cuda_compiled
 __all__ = ["joint_linear", "gated_rms_norm", "sigmoid_gate"]
 
 
-def joint_linear(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """``tuple(layer(x) for layer in layers)`` (bias-free layers) as one GEMM over their concatenated weights: one
-    launch instead of ``len(layers)`` forward, and in backward one input-gradient GEMM instead of ``len(layers)``
-    plus the adds that sum them. The outputs are column slices of one ``[T, Σ out_features]`` buffer."""
-    weight = torch.cat([layer.weight for layer in layers])
-    return F.linear(x, weight).split([layer.out_features for layer in layers], dim=-1)
+def joint_linear(x: torch.Tensor, *parts: nn.Linear | Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(x) for layer in parts)`` (bias-free layers) as one GEMM over their concatenated weights: one
+    launch instead of one per layer forward, and in backward one input-gradient GEMM instead of one per layer plus
+    the adds that sum them. The outputs are column slices of one ``[T, Σ out_features]`` buffer; a part that is a
+    sequence of layers gets one slice for all of them (their outputs side by side)."""
+    groups = [tuple(part) if isinstance(part, Sequence) else (part,) for part in parts]
+    weight = torch.cat([layer.weight for group in groups for layer in group])
+    return F.linear(x, weight).split([sum(layer.out_features for layer in group) for group in groups], dim=-1)
 
 
 @cuda_compiled

@@ -9,52 +9,28 @@ and its output, ``W_o(sigmoid(W_g x) ⊙ RMSNorm_head(o))``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels.kda import chunk_kda
 from kernels.kda.segments import Segment, plan_segments, scan_segments
+from kernels.short_conv import short_conv_silu
 from trainer.model.config import KDAConfig
 from trainer.model.fused import gated_rms_norm, joint_linear
 from trainer.model.sequence import PackedSequence
-from vision.fusion import cuda_compiled
 
-__all__ = ["short_conv_silu", "ShortConv", "KDALayer"]
+__all__ = ["ShortConv", "KDALayer"]
 
 # Initial per-channel decay rates |g| = -g_min·sigmoid(dt_bias) drawn log-uniformly from this range: memories from a
 # few to a thousand tokens long. Starting at sigmoid(0) would give |g| = 2.5, a state that forgets within one token.
 _DECAY_INIT = (1e-3, 0.5)
 
 
-@cuda_compiled
-def short_conv_silu(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                    positions: torch.Tensor) -> list[torch.Tensor]:
-    """``silu(Σ_j weight[:, j] · x_{t−j})`` for each x ``[T, C]`` (any strides) with its weight ``[C, width]``, where
-    ``x_{t−j}`` counts as zero once it lies before token t's document (``positions[t] < j``): each token sees exactly
-    what it would see in its document alone (the zero is selected, not a subtraction, so no rounding residue of the
-    previous document). Float32 math; outputs contiguous ``[T, C]`` in x's dtype.
-
-    A shift-and-add of the ``width`` taps: on CUDA it compiles to one fused kernel each way (no depthwise
-    convolution, no gather of the document starts, no host sync)."""
-    outs = []
-    for x, weight in zip(xs, weights):
-        T, width = x.shape[0], weight.shape[1]
-        xf, w = x.float(), weight.float()
-        acc = xf * w[:, 0]
-        for j in range(1, width):
-            shifted = F.pad(xf, (0, 0, j, 0))[:T]  # x_{t-j}
-            acc = acc + torch.where((positions >= j)[:, None], shifted, 0.0) * w[:, j]
-        outs.append(F.silu(acc).to(x.dtype).contiguous())
-    return outs
-
-
 class ShortConv(nn.Module):
-    """Causal depthwise convolution + SiLU that never reaches into the previous document (``short_conv_silu``);
-    ``weight[:, j]`` multiplies ``x_{t-j}``."""
+    """Causal depthwise convolution + SiLU that never reaches into the previous document
+    (``kernels.short_conv``); ``weight[:, j]`` multiplies ``x_{t-j}``."""
 
     def __init__(self, channels: int, width: int) -> None:
         super().__init__()
@@ -64,7 +40,7 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x ``[T, C]``, positions int64 ``[T]`` (offset inside the document) -> ``[T, C]``."""
-        return short_conv_silu([x], [self.weight], positions)[0]
+        return short_conv_silu(x, self.weight, positions)[0]
 
 
 class KDALayer(nn.Module):
@@ -132,12 +108,14 @@ class KDALayer(nn.Module):
         if before is not None:
             x = torch.cat([before, x])
         H, K = self.config.n_heads, self.config.head_dim
-        # The six projections of x as one GEMM; q, k, v through their three short convolutions in one fused pass.
-        q, k, v, b, z_low, gate = joint_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_down,
-                                               self.gate_proj)
-        q, k, v = short_conv_silu([q, k, v], [self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], positions)
+        # The six projections of x as one GEMM; q, k, v (side by side in it) through their three short convolutions
+        # in one kernel, which writes them as three contiguous tensors (unbind: one stack of their gradients).
+        qkv, b, z_low, gate = joint_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.b_proj, self.g_down,
+                                           self.gate_proj)
+        convs = (self.q_conv, self.k_conv, self.v_conv)
+        qkv = short_conv_silu(qkv, torch.cat([conv.weight for conv in convs]), positions, groups=3)
         T = x.shape[0] - halo
-        q, k, v = (t[halo:].view(1, T, H, K) for t in (q, k, v))
+        q, k, v = (t[halo:].view(1, T, H, K) for t in qkv.unbind(0))
         beta = torch.sigmoid(b[halo:].float()).view(1, T, H)
         z = self.g_up(z_low[halo:]).view(1, T, H, K)
         o, ht = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=cu_seqlens, initial_state=h0,

@@ -1,7 +1,7 @@
 """Where a training step of the model spends its time: ``torch.profiler`` over forward + backward on one GPU.
 
     python -m trainer.model.profile --preset small --seq-len 8192 [--steps 2] [--rows 40] [--csv kernels.csv]
-        [--no-recompute]
+        [--recompute-layers N [N ...]]
 
 The 8k stage's micro-batch of 16 × 8,192 tokens is one packed sequence to the model: ``--seq-len 131072``.
 
@@ -10,6 +10,8 @@ each kind of kernel (dense GEMM, expert GEMM, KDA, attention, Inductor-fused, Mo
 eager elementwise, other), and the host-device synchronisations and device-to-host copies (each one stalls the
 launch queue), so the next optimisation targets a measured hot spot. When the CPU time per step exceeds the GPU
 time, the step is host-bound (launches, Python). ``--csv`` writes every kernel (bucket, calls and GPU ms per step).
+Several ``--recompute-layers`` values are a sweep in one process (the compiles are shared): the profile is of the
+first, then each further value gets its step time, MFU and peak memory, or "out of memory".
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "Memcpy DtoH (Devi
 BUCKETS = (
     ("kda", re.compile(r"chunk_kda|l2norm")),
     ("attention", re.compile(r"flex_attention|triton_tem_fused|flash|fmha")),
-    ("expert gemm", re.compile(r"grouped")),
+    ("expert gemm", re.compile(r"grouped|GroupProblemShape")),  # torch._grouped_mm runs CUTLASS's grouped GEMM
     ("dense gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90_|_mm_", re.IGNORECASE)),
     ("inductor fused", re.compile(r"^triton_(poi|red|per)_")),
     ("routing & indexing", re.compile(r"combine_|swiglu_|topk|sort|histogram|scatter|gather|index", re.IGNORECASE)),
@@ -72,14 +74,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2, help="profiled steps after two warm-up steps")
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--csv", help="write every GPU kernel (bucket, calls and ms per step) here")
-    parser.add_argument("--no-recompute", action="store_true",
-                        help="activation checkpointing off (the preset's decoder layers recompute by default)")
+    parser.add_argument("--recompute-layers", type=int, nargs="+",
+                        help="only the first N decoder layers recompute in the backward (0: none; default: the "
+                             "preset's setting, every layer for small); several values: a sweep")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with torch.device("cuda"):
         config = preset(args.preset)
-        if args.no_recompute:
-            config.checkpoint_layers = False
+        sweep = args.recompute_layers or [config.checkpoint_layers]
+        config.checkpoint_layers = sweep[0]
         model = LongweaveModel(config).to(torch.bfloat16)
     batch, doc_lengths = synthetic_batch(args.seq_len, torch.Generator().manual_seed(0))
     batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
@@ -90,13 +93,19 @@ def main(argv: list[str] | None = None) -> None:
     warm = [step() for _ in range(2)]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         times = [step() for _ in range(args.steps)]
-    plain = min(step() for _ in range(2))  # the profiler's own overhead excluded
     with torch.no_grad():
         n_loss = model(**batch).n_loss_tokens
-    flops = training_flops(model.config, doc_lengths, IMAGE_GRIDS, n_loss_tokens=n_loss)
+    flops = training_flops(model.config, doc_lengths, IMAGE_GRIDS, n_loss_tokens=n_loss).total
+
+    def plain_step() -> str:
+        """Step time (the best of two, without the profiler's overhead), tokens/s, MFU and peak memory."""
+        plain = min(step() for _ in range(2))
+        return (f"{config.recomputed_layers()} of {config.n_layers} layers recomputed: plain step {plain * 1e3:.0f} "
+                f"ms, {args.seq_len / plain:,.0f} tokens/s, MFU {mfu(flops, plain):.1%}, peak "
+                f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
     print(f"{args.preset} seq_len={args.seq_len}: warm-up {[round(t, 2) for t in warm]} s, profiled "
-          f"{[round(t, 3) for t in times]} s, plain step {plain * 1e3:.0f} ms, {args.seq_len / plain:,.0f} tokens/s, "
-          f"MFU {mfu(flops.total, plain):.1%}, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+          f"{[round(t, 3) for t in times]} s, {plain_step()}")
     events = prof.key_averages()
     print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows // 2, max_name_column_width=70))
@@ -111,6 +120,15 @@ def main(argv: list[str] | None = None) -> None:
     for e in events:
         if e.key in SYNC_OPS:
             print(f"  {e.key:30s} {e.count / args.steps:8.1f} calls, {e.cpu_time_total / args.steps / 1e3:8.1f} ms")
+    for setting in sweep[1:]:
+        config.checkpoint_layers = setting
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            line = plain_step()
+        except torch.OutOfMemoryError:  # the traceback's tensors are freed once the handler has run
+            line = f"{config.recomputed_layers()} of {config.n_layers} layers recomputed: out of memory"
+        torch.cuda.empty_cache()
+        print(f"{args.preset} seq_len={args.seq_len}, {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""Causal depthwise short convolution + SiLU over packed documents, as one Triton kernel each way.
+
+Compiled from PyTorch, the shift-and-add of ``naive.py`` became three float32 pad copies and a fused kernel forward,
+and three kernels backward: 220 of a 1,659 ms ``small`` step at 131K tokens (H200 profile, BENCHMARKS.md). Here each
+way reads x (and dy) once from HBM and writes its result once: the taps re-read neighbouring rows from cache, and
+the backward recomputes the pre-activation of the W rows each output gradient needs instead of storing it.
+
+Layout: x ``[T, C]`` may be a column slice of a wider buffer (the KDA layer's joint projection); the output is
+``[groups, T, C // groups]`` contiguous, so q, k and v come out as separate contiguous tensors from one launch.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kda.tuning import configs
+from kernels.short_conv.naive import naive_short_conv_silu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_WIDTH = 8
+BWD_ROWS = 64  # the backward's row block: fixed, since the weight-gradient partials are one row per block
+
+
+@triton.jit
+def grouped_offsets(o_t, o_c, T, CG):
+    """Offsets of rows o_t, channels o_c in the ``[groups, T, CG]`` output (channel c in group c // CG)."""
+    return (o_c // CG).to(tl.int64)[None, :] * T * CG + o_t[:, None] * CG + (o_c % CG)[None, :]
+
+
+@triton.jit
+def conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Pre-activation ``Σ_i w[c, i] x[s − i]`` of rows o_s over the taps that stay inside row s's document
+    (``pos[s] ≥ i``) and the sequence (``s ≥ i``), in float32; and ``pos[s]``."""
+    b_pos = tl.load(pos + o_s, mask=m_s, other=0)
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(W):
+        b_w = tl.load(w + o_c * W + i, mask=m_c, other=0.).to(tl.float32)
+        m = (m_s & (b_pos >= i) & (o_s >= i))[:, None] & m_c[None, :]
+        b_x = tl.load(x + (o_s - i)[:, None] * stride_x + o_c[None, :], mask=m, other=0.).to(tl.float32)
+        acc += b_x * b_w[None, :]
+    return acc, b_pos
+
+
+@triton.autotune(configs=configs([({"BT": 64, "BC": 64}, 4), ({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 8),
+                                  ({"BT": 128, "BC": 64}, 8), ({"BT": 128, "BC": 128}, 8)]), key=["C", "W"])
+@triton.jit
+def short_conv_fwd_kernel(x, w, pos, y, T, C, CG, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_t, m_c = o_t < T, o_c < C
+    acc, _ = conv_at(x, w, pos, o_t, m_t, o_c, m_c, stride_x, W, BT, BC)
+    tl.store(y + grouped_offsets(o_t, o_c, T, CG), (acc * tl.sigmoid(acc)).to(y.dtype.element_ty),
+             mask=m_t[:, None] & m_c[None, :])
+
+
+@triton.autotune(configs=configs([({"BC": 64}, 4), ({"BC": 32}, 4), ({"BC": 128}, 8), ({"BC": 64}, 8)]),
+                 key=["C", "W"])
+@triton.jit
+def short_conv_bwd_kernel(x, w, pos, dy, dx, dw, T, C, CG, stride_x, W: tl.constexpr, BT: tl.constexpr,
+                          BC: tl.constexpr):
+    """dx[t] = Σ_j w[:, j] da[t + j] over the rows t + j whose tap j stays in their document, where da = dy ·
+    silu'(pre-activation), recomputed for those rows; dw[block, :, i] = Σ_t da[t] x[t − i] over this block's rows."""
+    i_t = tl.program_id(0)
+    o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_t, m_c = o_t < T, o_c < C
+    b_dx = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        o_s = o_t + j
+        m_s = o_s < T
+        acc, b_pos = conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W, BT, BC)
+        b_dy = tl.load(dy + grouped_offsets(o_s, o_c, T, CG), mask=m_s[:, None] & m_c[None, :], other=0.)
+        sig = tl.sigmoid(acc)
+        b_da = b_dy.to(tl.float32) * sig * (1. + acc * (1. - sig))
+        b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
+        b_dx += tl.where((m_s & (b_pos >= j))[:, None], b_da, 0.) * b_w[None, :]
+        if j == 0:  # this block's own rows: their weight-gradient terms
+            for i in tl.static_range(W):
+                m = (m_t & (b_pos >= i) & (o_t >= i))[:, None] & m_c[None, :]
+                b_x = tl.load(x + (o_t - i)[:, None] * stride_x + o_c[None, :], mask=m, other=0.).to(tl.float32)
+                tl.store(dw + (i_t * C + o_c) * W + i, tl.sum(b_da * b_x, 0), mask=m_c)
+    tl.store(dx + o_t[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+
+class ShortConvSiLU(torch.autograd.Function):
+    """Saves x (a view: no copy), the weight and the positions; the backward recomputes the pre-activation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,  # noqa: ANN001
+                groups: int) -> torch.Tensor:
+        T, C = x.shape
+        y = torch.empty(groups, T, C // groups, dtype=x.dtype, device=x.device)
+        grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]))  # noqa: E731
+        short_conv_fwd_kernel[grid](x, weight, positions, y, T, C, C // groups, x.stride(0), W=weight.shape[1])
+        ctx.save_for_backward(x, weight, positions)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # noqa: ANN001
+        x, weight, positions = ctx.saved_tensors
+        (T, C), W = x.shape, weight.shape[1]
+        dx = torch.empty(T, C, dtype=x.dtype, device=x.device)
+        n_blocks = triton.cdiv(T, BWD_ROWS)
+        dw = torch.empty(n_blocks, C, W, dtype=torch.float32, device=x.device)
+        grid = lambda meta: (n_blocks, triton.cdiv(C, meta["BC"]))  # noqa: E731
+        short_conv_bwd_kernel[grid](x, weight, positions, dy.contiguous(), dx, dw, T, C, C // dy.shape[0],
+                                    x.stride(0), W=W, BT=BWD_ROWS)
+        return dx, dw.sum(0).to(weight.dtype), None, None
+
+
+def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """``silu(Σ_j weight[:, j] · x_{t−j})`` for x ``[T, C]`` (rows any stride) and weight ``[C, width]``, where
+    ``x_{t−j}`` is zero once it lies before token t's document (``positions[t] < j``, positions: the offset of each
+    token in its document). Returns ``[groups, T, C // groups]`` in x's dtype; float32 math.
+
+    Triton on CUDA (and on the CPU under ``TRITON_INTERPRET=1``), ``naive_short_conv_silu`` elsewhere."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, C], got shape {tuple(x.shape)}")
+    T, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C or not 1 <= weight.shape[1] <= MAX_WIDTH:
+        raise ValueError(f"weight must be [C, width] = [{C}, 1..{MAX_WIDTH}], got shape {tuple(weight.shape)}")
+    if positions.shape != (T,) or positions.is_floating_point():
+        raise ValueError(f"positions must be integer [T] = [{T}], got {positions.dtype} {tuple(positions.shape)}")
+    if groups < 1 or C % groups:
+        raise ValueError(f"groups must divide the {C} channels, got {groups}")
+    if not (x.is_cuda or INTERPRET):
+        return naive_short_conv_silu(x, weight, positions, groups)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return ShortConvSiLU.apply(x, weight.contiguous(), positions.contiguous(), groups)

@@ -1,0 +1,120 @@
+"""Short convolution + SiLU kernels against the float32 shift-and-add reference, forward and gradients, on fresh
+random inputs: document starts, a strided input, grouped outputs, the halo rows of a segment."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interpreted import import_interpreted
+
+import_interpreted("kernels.short_conv")
+
+from kernels.short_conv import naive_short_conv_silu, short_conv_silu  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def positions_of(lengths: list[int], first: int = 0) -> torch.Tensor:
+    """Each token's offset in its document; ``first``: the first document began that many tokens before row 0 (a
+    segment's halo rows)."""
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    pos[:lengths[0]] += first
+    return pos.to(DEVICE)
+
+
+def make_case(lengths: list[int], C: int, width: int, dtype: torch.dtype = torch.float32, extra: int = 0,
+              first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x ``[T, C]`` as the leading columns of a ``[T, C + extra]`` buffer (rows strided like the joint projection's
+    slices), weight ``[C, width]``, positions and an output gradient; fresh random values each run."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed={seed}")
+    torch.manual_seed(seed)
+    T = sum(lengths)
+    buffer = torch.randn(T, C + extra, device=DEVICE).to(dtype)
+    weight = (torch.randn(C, width, device=DEVICE) / width ** 0.5).to(dtype)
+    return buffer[:, :C], weight, positions_of(lengths, first), buffer
+
+
+def forward_backward(fn, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, groups: int,  # noqa: ANN001
+                     dy: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    y = fn(x, weight, pos, groups)
+    y.backward(dy if dy is not None else torch.ones_like(y))
+    return y, x.grad, weight.grad
+
+
+@pytest.mark.parametrize("lengths, C, width, groups, extra, first", [
+    pytest.param([1], 32, 4, 1, 0, 0, id="one-token"),
+    pytest.param([5], 32, 4, 1, 0, 0, id="shorter-than-a-block"),
+    pytest.param([64], 96, 4, 3, 0, 0, id="one-block-three-groups"),
+    pytest.param([30, 1, 2, 70, 97], 64, 4, 2, 40, 0, id="documents-of-1-and-2-tokens-strided"),
+    pytest.param([3, 130], 32, 3, 1, 8, 500, id="width-3-halo-rows"),
+    pytest.param([200], 160, 4, 1, 0, 0, id="channels-not-a-block-multiple"),
+])
+def test_matches_reference(lengths: list[int], C: int, width: int, groups: int, extra: int, first: int) -> None:
+    x, weight, pos, _ = make_case(lengths, C, width, extra=extra, first=first)
+    dy = torch.randn(groups, sum(lengths), C // groups, device=DEVICE)
+    y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x, weight, pos, groups, dy)
+    y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, groups, dy)
+    assert y.shape == (groups, sum(lengths), C // groups) and y.is_contiguous()
+    errors = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_a_document_never_sees_the_one_before() -> None:
+    """Rewriting document 1 leaves document 2's outputs, and the gradient reaching document 1 from document 2's
+    outputs, exactly zero-coupled: the taps of document 2's first rows read zeros, not document 1."""
+    lengths = [40, 50]
+    x, weight, pos, _ = make_case(lengths, 32, 4)
+    other = x.clone()
+    other[:40] = torch.randn(40, 32, device=DEVICE)
+    assert torch.equal(short_conv_silu(x, weight, pos)[:, 40:], short_conv_silu(other, weight, pos)[:, 40:])
+    dy = torch.zeros(1, 90, 32, device=DEVICE)
+    dy[:, 40:] = torch.randn(1, 50, 32, device=DEVICE)
+    _, dx, _ = forward_backward(short_conv_silu, x, weight, pos, 1, dy)
+    assert torch.equal(dx[:40], torch.zeros_like(dx[:40])) and dx[40:].abs().sum() > 0
+
+
+def test_bf16_with_gpu_numerics(gpu_numerics: None) -> None:
+    """bf16 in and out, float32 inside: within bf16's rounding of the float32 reference on the same bf16 inputs."""
+    x, weight, pos, _ = make_case([100, 28, 200], 128, 4, dtype=torch.bfloat16, extra=256)
+    dy = torch.randn(2, 328, 64, device=DEVICE).bfloat16()
+    y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x.float(), weight.float(), pos, 2, dy.float())
+    y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 2, dy)
+    assert y.dtype == dx.dtype == dw.dtype == torch.bfloat16
+    errors = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
+    assert max(errors.values()) <= 5e-3, errors
+
+
+@pytest.mark.parametrize("args, match", [
+    pytest.param(dict(x=torch.randn(2, 8, 4)), r"x must be \[T, C\], got shape \(2, 8, 4\)", id="x-rank"),
+    pytest.param(dict(weight=torch.randn(4, 4)), r"weight must be \[C, width\] = \[8, 1..8\], got shape \(4, 4\)",
+                 id="weight-channels"),
+    pytest.param(dict(weight=torch.randn(8, 9)), r"weight must be \[C, width\].* got shape \(8, 9\)", id="too-wide"),
+    pytest.param(dict(positions=torch.zeros(5)), r"positions must be integer \[T\] = \[6\], got torch.float32 \(5,\)",
+                 id="positions"),
+    pytest.param(dict(groups=3), r"groups must divide the 8 channels, got 3", id="groups"),
+])
+def test_bad_arguments_are_named(args: dict, match: str) -> None:
+    call = dict(x=torch.randn(6, 8), weight=torch.randn(8, 4), positions=torch.arange(6), groups=1) | args
+    with pytest.raises(ValueError, match=match):
+        short_conv_silu(**call)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_at_the_small_models_shape() -> None:
+    """The KDA layer of ``small``: q, k, v (3 × 1024 channels) from the joint projection's [T, 5256] buffer,
+    32 documents in 65,536 tokens, bf16 against the float32 reference."""
+    lengths = [2048] * 31 + [65536 - 31 * 2048]
+    x, weight, pos, _ = make_case(lengths, 3072, 4, dtype=torch.bfloat16, extra=5256 - 3072)
+    dy = torch.randn(3, 65536, 1024, device=DEVICE).bfloat16()
+    y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x.float(), weight.float(), pos, 3, dy.float())
+    y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 3, dy)
+    errors = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
+    assert errors["y"] <= 5e-3 and max(errors.values()) <= 1e-2, errors
