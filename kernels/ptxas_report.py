@@ -1,6 +1,6 @@
-"""Registers, spills and shared memory of every KDA kernel config on sm_90, without a GPU.
+"""Registers, spills and shared memory of every KDA and short-convolution kernel config on sm_90, without a GPU.
 
-    python -m kernels.kda.ptxas_report [--head-dim 128] [--heads 16] [--stages 3]
+    python -m kernels.ptxas_report [--head-dim 128] [--heads 16] [--stages 3]
 
 Triton compiles each autotune config for Hopper here and the `ptxas` it ships reports the machine code's registers
 and spilled bytes (`-v`). A config that spills kilobytes per thread is a lead worth a device call; one that does not
@@ -21,20 +21,24 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
+from kernels.short_conv import conv
 
 HOPPER = GPUTarget("cuda", 90, 64)
-FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk"}
+FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
-SCALAR_ARGS = {"scale": "fp32", "T": "i32", "CHAINS": "i32"}
+INT64_ARGS = {"pos"}
+SCALAR_ARGS = {"scale": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "CG": "i32", "stride_x": "i32"}
 
 
 def signature(fn: JITFunction, constants: dict) -> dict[str, str]:
-    """Argument types of a bf16 run (g float32), as the chunk_kda wrappers pass them."""
+    """Argument types of a bf16 run (g float32), as the chunk_kda and short_conv_silu wrappers pass them."""
     def kind(name: str) -> str:
         if name in constants:
             return "constexpr"
         if name in SCALAR_ARGS:
             return SCALAR_ARGS[name]
+        if name in INT64_ARGS:
+            return "*i64"
         return "*i32" if name in INT32_ARGS else "*fp32" if name in FLOAT32_ARGS else "*bf16"
     return {name: kind(name) for name in fn.arg_names}
 
@@ -78,10 +82,16 @@ def main(argv: list[str] | None = None) -> None:
          dict(H=args.heads, V=args.head_dim, BT=64, SLOT=args.head_dim // 32, PREC="tf32")),
         (chunk_bwd.chunk_kda_bwd_dqkg_kernel, chunk_bwd.DQKG_SPACE, shape | gate | dict(BC=16)),
     ]
-    for kernel, space, constants in kernels:
-        for meta, warps in space:
-            if max(meta.values()) <= args.head_dim:
-                print(report(kernel, constants, triton.Config(meta, num_warps=warps), args.stages), flush=True)
+    configs = [(kernel, meta, warps, constants) for kernel, space, constants in kernels for meta, warps in space
+               if max(meta.values()) <= args.head_dim]
+    # The short convolution of the KDA layer (width 4), whatever the head dim.
+    configs += [(kernel, meta, warps, constants)
+                for kernel, space, constants in [(conv.short_conv_fwd_kernel, conv.FWD_SPACE, dict(W=4)),
+                                                 (conv.short_conv_bwd_kernel, conv.BWD_SPACE,
+                                                  dict(W=4, BT=conv.BWD_ROWS))]
+                for meta, warps in space]
+    for kernel, meta, warps, constants in configs:
+        print(report(kernel, constants, triton.Config(meta, num_warps=warps), args.stages), flush=True)
 
 
 if __name__ == "__main__":
