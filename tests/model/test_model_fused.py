@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trainer.model.attn_res import inv_rms, mix_and_norm, mix_sources
+from trainer.model.multimodal import cross_entropy_chunk
 from trainer.model.fused import gated_rms_norm, joint_linear, sigmoid_gate
 from vision.encoder import _apply_rope
 
@@ -28,6 +29,8 @@ def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
         ("gated_rms_norm", gated_rms_norm, (t(T, 2, 32), t(32, kind=torch.float32), 1e-6,
                                             t(T, 96)[:, 16:80].view(T, 2, 32))),  # a column slice, as in KDALayer
         ("sigmoid_gate", sigmoid_gate, (t(T, d), t(T, 2 * d)[:, d:])),
+        ("cross_entropy_chunk", cross_entropy_chunk, (t(T, 40), torch.randint(0, 40, (T,), generator=g).to(device),
+                                                       True)),
         ("rope", _apply_rope, (t(T, 2, 32), t(T, 2, 32), t(T, 32, grad=False, kind=torch.float32),
                                t(T, 32, grad=False, kind=torch.float32))),
     ]
