@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .topk import biased_topk
+
 
 @dataclass(frozen=True, slots=True)
 class Routing:
@@ -42,7 +44,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
 def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, gate_scale: float) -> Routing:
     """Unchecked `route` (the layer validates its configuration once, at construction)."""
     scores = torch.sigmoid(F.linear(x, weight).float())
-    biased, chosen = torch.topk(scores.detach() + bias, top_k + 1, dim=-1, sorted=True)
+    biased, chosen = biased_topk(scores.detach(), bias, top_k + 1)
     expert_idx = chosen[:, :top_k]
     picked = scores.gather(1, expert_idx)
     gates = picked * (gate_scale / picked.sum(-1, keepdim=True))

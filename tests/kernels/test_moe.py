@@ -27,6 +27,7 @@ from kernels.moe import (
 )
 from kernels.moe.balance import exact_quantile_bias
 from kernels.moe.grouped_gemm import loop_grouped_mm
+from kernels.moe.topk import biased_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -123,6 +124,15 @@ def test_layer_matches_naive_fp32(backend: str) -> None:
     assert rel_err(out.view(-1, 32), ref) <= 1e-5
     for name, a, b in zip(["x", "router", "w13", "w2", "shared13", "shared2"], grads, ref_grads):
         assert rel_err(a.reshape(b.shape), b) <= 1e-5, name
+
+
+@pytest.mark.parametrize("T, E, k", [(9000, 128, 5), (7, 10, 1), (33, 16, 4), (0, 8, 2)])
+def test_biased_topk_matches_torch(T: int, E: int, k: int) -> None:
+    """Values bit for bit and the same experts in the same order as torch.topk, fresh random scores each run."""
+    scores, bias = torch.rand(T, E, device=DEVICE), torch.randn(E, device=DEVICE) * 0.1
+    values, indices = biased_topk(scores, bias, k)
+    want_values, want_indices = torch.topk(scores + bias, k, dim=-1, sorted=True)
+    assert torch.equal(values, want_values) and torch.equal(indices, want_indices)
 
 
 # ---------------------------------------------------------------- quantile balancing
