@@ -1,7 +1,7 @@
 """Where a training step of the model spends its time: ``torch.profiler`` over forward + backward on one GPU.
 
     python -m trainer.model.profile --preset small --seq-len 8192 [--steps 2] [--rows 40] [--csv kernels.csv]
-        [--recompute-layers N [N ...]]
+        [--recompute-layers N [N ...]] [--shapes]
 
 The 8k stage's micro-batch of 16 × 8,192 tokens is one packed sequence to the model: ``--seq-len 131072``.
 
@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2, help="profiled steps after two warm-up steps")
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--csv", help="write every GPU kernel (bucket, calls and ms per step) here")
+    parser.add_argument("--shapes", action="store_true",
+                        help="also the operators by input shapes (which adds and copies are whose)")
     parser.add_argument("--recompute-layers", type=int, nargs="+",
                         help="only the first N decoder layers recompute in the backward (0: none; default: the "
                              "preset's setting, every layer for small); several values: a sweep")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         return timed_forward_backward(model, lambda: batch)[0]
 
     warm = [step() for _ in range(2)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.shapes) as prof:
         times = [step() for _ in range(args.steps)]
     with torch.no_grad():
         n_loss = model(**batch).n_loss_tokens
@@ -109,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     events = prof.key_averages()
     print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows // 2, max_name_column_width=70))
+    if args.shapes:
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=args.rows,
+                                                                  max_name_column_width=40, max_shapes_column_width=90))
     rows = kernel_rows(events, args.steps)
     print_buckets(rows)
     if args.csv:
