@@ -21,7 +21,9 @@ from kernels.short_conv.naive import naive_short_conv_silu
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_WIDTH = 8
-BWD_ROWS = 64  # the backward's row block: fixed, since the weight-gradient partials are one row per block
+# The backward's row block (fixed: the weight-gradient partials are one row per program) and the blocks one program
+# walks: its partial dw [C, W] float32 is then 1/64 of its dx traffic (one block per program: 1/8, written and read).
+BWD_ROWS, BWD_ROW_BLOCKS = 64, 8
 
 
 @triton.jit
@@ -45,11 +47,11 @@ def conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.con
 
 
 # Tiles that ptxas (sm_90, width 4) compiles without spills (`python -m kernels.ptxas_report`): the W shifted loads of
-# a tile are all in flight at once, so registers grow with the elements per thread (about 9 each forward, 10 to 13
-# backward); 64 × 64 with 4 warps used 255 registers and spilled.
+# a tile are all in flight at once, so registers grow with the elements per thread (about 9 each forward, 25
+# backward); a forward 64 × 64 tile with 4 warps used 255 registers and spilled.
 FWD_SPACE = [({"BT": 16, "BC": 128}, 4), ({"BT": 32, "BC": 64}, 4), ({"BT": 16, "BC": 256}, 8),
              ({"BT": 64, "BC": 64}, 8), ({"BT": 8, "BC": 256}, 4)]
-BWD_SPACE = [({"BC": 16}, 4), ({"BC": 32}, 8), ({"BC": 32}, 16)]
+BWD_SPACE = [({"BC": 16}, 4), ({"BC": 32}, 8), ({"BC": 16}, 8)]
 
 
 @triton.autotune(configs=configs(FWD_SPACE), key=["C", "W"])
@@ -65,30 +67,37 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, CG, stride_x, W: tl.constexpr, BT:
 
 @triton.autotune(configs=configs(BWD_SPACE), key=["C", "W"])
 @triton.jit
-def short_conv_bwd_kernel(x, w, pos, dy, dx, dw, T, C, CG, stride_x, W: tl.constexpr, BT: tl.constexpr,
-                          BC: tl.constexpr):
+def short_conv_bwd_kernel(x, w, pos, dy, dx, dw, T, C, CG, stride_x, W: tl.constexpr, WP: tl.constexpr,
+                          BT: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr):
     """dx[t] = Σ_j w[:, j] da[t + j] over the rows t + j whose tap j stays in their document, where da = dy ·
-    silu'(pre-activation), recomputed for those rows; dw[block, :, i] = Σ_t da[t] x[t − i] over this block's rows."""
+    silu'(pre-activation), recomputed for those rows; dw[program, :, i] = Σ_t da[t] x[t − i] over the program's RB
+    blocks of BT rows."""
     i_t = tl.program_id(0)
-    o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    m_t, m_c = o_t < T, o_c < C
-    b_dx = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(W):
-        o_s = o_t + j
-        m_s = o_s < T
-        acc, b_pos = conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W, BT, BC)
-        b_dy = tl.load(dy + grouped_offsets(o_s, o_c, T, CG), mask=m_s[:, None] & m_c[None, :], other=0.)
-        sig = tl.sigmoid(acc)
-        b_da = b_dy.to(tl.float32) * sig * (1. + acc * (1. - sig))
-        b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
-        b_dx += tl.where((m_s & (b_pos >= j))[:, None], b_da, 0.) * b_w[None, :]
-        if j == 0:  # this block's own rows: their weight-gradient terms
-            for i in tl.static_range(W):
-                m = (m_t & (b_pos >= i) & (o_t >= i))[:, None] & m_c[None, :]
-                b_x = tl.load(x + (o_t - i)[:, None] * stride_x + o_c[None, :], mask=m, other=0.).to(tl.float32)
-                tl.store(dw + (i_t * C + o_c) * W + i, tl.sum(b_da * b_x, 0), mask=m_c)
-    tl.store(dx + o_t[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    o_w = tl.arange(0, WP)
+    m_c = o_c < C
+    b_dw = tl.zeros([BC, WP], dtype=tl.float32)
+    for r in range(RB):
+        o_t = (i_t.to(tl.int64) * RB + r) * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        b_dx = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            o_s = o_t + j
+            m_s = o_s < T
+            acc, b_pos = conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W, BT, BC)
+            b_dy = tl.load(dy + grouped_offsets(o_s, o_c, T, CG), mask=m_s[:, None] & m_c[None, :], other=0.)
+            sig = tl.sigmoid(acc)
+            b_da = b_dy.to(tl.float32) * sig * (1. + acc * (1. - sig))
+            b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
+            b_dx += tl.where((m_s & (b_pos >= j))[:, None], b_da, 0.) * b_w[None, :]
+            if j == 0:  # the block's own rows: their weight-gradient terms
+                for i in tl.static_range(W):
+                    m = (m_t & (b_pos >= i) & (o_t >= i))[:, None] & m_c[None, :]
+                    b_x = tl.load(x + (o_t - i)[:, None] * stride_x + o_c[None, :], mask=m, other=0.)
+                    b_dw += tl.where(o_w[None, :] == i, tl.sum(b_da * b_x.to(tl.float32), 0)[:, None], 0.)
+        tl.store(dx + o_t[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
+                 mask=m_t[:, None] & m_c[None, :])
+    tl.store(dw + (i_t * C + o_c)[:, None] * W + o_w[None, :], b_dw, mask=m_c[:, None] & (o_w < W)[None, :])
 
 
 class ShortConvSiLU(torch.autograd.Function):
@@ -109,11 +118,12 @@ class ShortConvSiLU(torch.autograd.Function):
         x, weight, positions = ctx.saved_tensors
         (T, C), W = x.shape, weight.shape[1]
         dx = torch.empty(T, C, dtype=x.dtype, device=x.device)
-        n_blocks = triton.cdiv(T, BWD_ROWS)
-        dw = torch.empty(n_blocks, C, W, dtype=torch.float32, device=x.device)
-        grid = lambda meta: (n_blocks, triton.cdiv(C, meta["BC"]))  # noqa: E731
+        n_programs = triton.cdiv(T, BWD_ROWS * BWD_ROW_BLOCKS)
+        dw = torch.empty(n_programs, C, W, dtype=torch.float32, device=x.device)
+        grid = lambda meta: (n_programs, triton.cdiv(C, meta["BC"]))  # noqa: E731
         short_conv_bwd_kernel[grid](x, weight, positions, dy.contiguous(), dx, dw, T, C, C // dy.shape[0],
-                                    x.stride(0), W=W, BT=BWD_ROWS)
+                                    x.stride(0), W=W, WP=triton.next_power_of_2(W), BT=BWD_ROWS,
+                                    RB=BWD_ROW_BLOCKS)
         return dx, dw.sum(0).to(weight.dtype), None, None
 
 

@@ -55,6 +55,7 @@ def forward_backward(fn, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tenso
     pytest.param([30, 1, 2, 70, 97], 64, 4, 2, 40, 0, id="documents-of-1-and-2-tokens-strided"),
     pytest.param([3, 130], 32, 3, 1, 8, 500, id="width-3-halo-rows"),
     pytest.param([200], 160, 4, 1, 0, 0, id="channels-not-a-block-multiple"),
+    pytest.param([700, 1, 399], 32, 4, 1, 16, 0, id="several-backward-programs"),
 ])
 def test_matches_reference(lengths: list[int], C: int, width: int, groups: int, extra: int, first: int) -> None:
     x, weight, pos, _ = make_case(lengths, C, width, extra=extra, first=first)
