@@ -29,7 +29,7 @@ def _is_recompute(value: object) -> bool:
 
 def recompute_label(setting: Recompute) -> str:
     """How plans, logs and metrics show a stage's activation checkpointing."""
-    if isinstance(setting, bool):
+    if isinstance(setting, bool) or setting == 0:
         return "on" if setting else "off"
     return f"first {setting} layer{'' if setting == 1 else 's'}"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from longweave.cli import main
-from trainer.config import StageRun, TrainConfig
+from trainer.config import StageRun, TrainConfig, recompute_label
 from trainer.curriculum import StageError, advance, plan_stage
 from trainer.run_dir import RunDir
 
@@ -163,6 +163,9 @@ def test_config_errors_name_the_field(short_shards: Path) -> None:
             StageRun(name="c", seq_len=8, token_budget=8, activation_checkpointing=bad)
     with pytest.raises(ValueError, match=r"^activation_checkpointing: must be true, false or a number of layers"):
         TrainConfig(data=str(short_shards), tokens_per_step=3000, stages=stages, activation_checkpointing=1.5)
+    # How `stage plan` and the logs show each setting.
+    assert [recompute_label(s) for s in (True, False, 0, 1, 12)] == ["on", "off", "off", "first 1 layer",
+                                                                      "first 12 layers"]
 
 
 def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_shards: Path, tmp_path: Path) -> None:
