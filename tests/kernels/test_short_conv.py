@@ -2,6 +2,8 @@
 random inputs: document starts, a strided input, grouped outputs, the halo rows of a segment."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -119,3 +121,36 @@ def test_gpu_bf16_at_the_small_models_shape() -> None:
     y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 3, dy)
     errors = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
     assert errors["y"] <= 5e-3 and max(errors.values()) <= 1e-2, errors
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the model tests run these kernels themselves")
+@pytest.mark.parametrize("segment_tokens", [None, 64], ids=["one-pass", "segments-with-halo"])
+def test_kda_layer_on_the_kernels_matches_the_references(segment_tokens: int | None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KDA layer as a GPU runs it (the Triton short convolution and KDA kernels, here under the interpreter)
+    against the same layer on the PyTorch references: q, k and v as the convolution's grouped output, and in 64-token
+    segments whose convolutions read the halo rows before them. Output, input and parameter gradients."""
+    import torch.nn.functional as F
+
+    import trainer.model.kda as kda_layer
+    from trainer.model.config import KDAConfig
+    from trainer.model.sequence import packed_sequence
+
+    lengths = [100, 30, 70]
+    seq = packed_sequence(F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32), sum(lengths),
+                          with_mask=False)
+    x0, _, _, _ = make_case(lengths, 48, 4)
+    layer = kda_layer.KDALayer(48, KDAConfig(n_heads=2, head_dim=32, segment_tokens=segment_tokens))
+    runs = []
+    for kernels in (True, False):
+        if not kernels:  # the dispatchers' switch: the references on the CPU
+            for fn in (kda_layer.short_conv_silu, kda_layer.chunk_kda):
+                monkeypatch.setattr(sys.modules[fn.__module__], "INTERPRET", False)
+        layer.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        out = layer(x, seq)
+        out.square().sum().backward()
+        runs.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    names = ["out", "dx"] + [f"d{n}" for n, _ in layer.named_parameters()]
+    errors = {name: rel_err(got, want) for name, got, want in zip(names, *runs, strict=True)}
+    assert max(errors.values()) <= 1e-4, errors
