@@ -16,7 +16,7 @@ import triton.language as tl
 from kernels.kda.chunk_intra import anchor_columns, as_dot_reads, own_anchor_rows, sub_chunk_anchor, sub_chunk_rows
 from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chain_bucket
 from kernels.kda.gate import load_log_decay, log_decay_grad
-from kernels.kda.tuning import configs, fit_v
+from kernels.tuning import configs, fit_v
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.tuning import configs, fit_v
+from kernels.tuning import configs, fit_v
 
 # The state pass is one chain of dependent chunk steps per (document, head). Few chains (one long sequence): narrow
 # V blocks shorten each step and occupy more SMs. Many chains (packed documents) fill the GPU anyway, and wide V

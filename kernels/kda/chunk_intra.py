@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import load_log_decay
-from kernels.kda.tuning import configs, fit_v
+from kernels.tuning import configs, fit_v
 
 # (BK, BV, num_warps). Smallest blocks first: the interpreter runs only the first entry, for every K and V.
 INTRA_SPACE = [({"BK": 32, "BV": 32}, 4), ({"BK": 32, "BV": 64}, 4), ({"BK": 32, "BV": 64}, 8),

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.tuning import configs
+from kernels.tuning import configs
 from kernels.short_conv.naive import naive_short_conv_silu
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
