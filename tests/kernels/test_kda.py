@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from checks import fresh_seed
 from interpreted import INTERPRET, import_interpreted
 
 import_interpreted("kernels.kda")
@@ -28,17 +29,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / (norm if norm > 0 else 1.0)).item()
 
 
-def _seed() -> int:
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    print(f"seed={seed}")
-    torch.manual_seed(seed)
-    return seed
-
-
 def make_inputs(B: int, T: int, H: int, K: int, V: int, h0: bool, n_docs: int = 1, device: str = DEVICE,
                 dtype: torch.dtype = torch.float32) -> dict:
     """Fresh random KDA inputs (never zeros): unit-norm keys, g = -5 sigmoid(randn), beta in (0, 1)."""
-    _seed()
+    fresh_seed()
     kw = dict(device=device)
     x = dict(
         q=torch.randn(B, T, H, K, **kw).to(dtype),
@@ -419,7 +413,7 @@ def test_gpu_device_cu_seqlens_read_back_once() -> None:
 def test_l2norm_kernel_matches_reference(shape: tuple[int, ...]) -> None:
     from kernels.kda.l2norm import l2norm, l2norm_reference
 
-    _seed()
+    fresh_seed()
     x = torch.randn(*shape, device=DEVICE) * 3
     dy = torch.randn(*shape, device=DEVICE)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()

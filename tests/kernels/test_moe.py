@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
+from checks import rel_err
 from interpreted import INTERPRET, import_interpreted
 
 import_interpreted("kernels.moe")
@@ -30,11 +31,6 @@ from kernels.moe.grouped_gemm import loop_grouped_mm
 from kernels.moe.topk import biased_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64."""
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def zipf_logits(gen: torch.Generator, n_tokens: int, n_experts: int, strength: float = 4.0) -> torch.Tensor:

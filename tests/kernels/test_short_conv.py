@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from checks import fresh_seed, rel_err
 from interpreted import import_interpreted
 
 import_interpreted("kernels.short_conv")
@@ -14,11 +15,6 @@ import_interpreted("kernels.short_conv")
 from kernels.short_conv import naive_short_conv_silu, short_conv_silu  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def positions_of(lengths: list[int], first: int = 0) -> torch.Tensor:
@@ -30,16 +26,14 @@ def positions_of(lengths: list[int], first: int = 0) -> torch.Tensor:
 
 
 def make_case(lengths: list[int], C: int, width: int, dtype: torch.dtype = torch.float32, extra: int = 0,
-              first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x ``[T, C]`` as the leading columns of a ``[T, C + extra]`` buffer (rows strided like the joint projection's
-    slices), weight ``[C, width]``, positions and an output gradient; fresh random values each run."""
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    print(f"seed={seed}")
-    torch.manual_seed(seed)
+    slices), weight ``[C, width]`` and positions; fresh random values each run."""
+    fresh_seed()
     T = sum(lengths)
     buffer = torch.randn(T, C + extra, device=DEVICE).to(dtype)
     weight = (torch.randn(C, width, device=DEVICE) / width ** 0.5).to(dtype)
-    return buffer[:, :C], weight, positions_of(lengths, first), buffer
+    return buffer[:, :C], weight, positions_of(lengths, first)
 
 
 def forward_backward(fn, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, groups: int,  # noqa: ANN001
@@ -60,7 +54,7 @@ def forward_backward(fn, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tenso
     pytest.param([700, 1, 399], 32, 4, 1, 16, 0, id="several-backward-programs"),
 ])
 def test_matches_reference(lengths: list[int], C: int, width: int, groups: int, extra: int, first: int) -> None:
-    x, weight, pos, _ = make_case(lengths, C, width, extra=extra, first=first)
+    x, weight, pos = make_case(lengths, C, width, extra=extra, first=first)
     dy = torch.randn(groups, sum(lengths), C // groups, device=DEVICE)
     y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x, weight, pos, groups, dy)
     y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, groups, dy)
@@ -73,7 +67,7 @@ def test_a_document_never_sees_the_one_before() -> None:
     """Rewriting document 1 leaves document 2's outputs, and the gradient reaching document 1 from document 2's
     outputs, exactly zero-coupled: the taps of document 2's first rows read zeros, not document 1."""
     lengths = [40, 50]
-    x, weight, pos, _ = make_case(lengths, 32, 4)
+    x, weight, pos = make_case(lengths, 32, 4)
     other = x.clone()
     other[:40] = torch.randn(40, 32, device=DEVICE)
     assert torch.equal(short_conv_silu(x, weight, pos)[:, 40:], short_conv_silu(other, weight, pos)[:, 40:])
@@ -85,7 +79,7 @@ def test_a_document_never_sees_the_one_before() -> None:
 
 def test_bf16_with_gpu_numerics(gpu_numerics: None) -> None:
     """bf16 in and out, float32 inside: within bf16's rounding of the float32 reference on the same bf16 inputs."""
-    x, weight, pos, _ = make_case([100, 28, 200], 128, 4, dtype=torch.bfloat16, extra=256)
+    x, weight, pos = make_case([100, 28, 200], 128, 4, dtype=torch.bfloat16, extra=256)
     dy = torch.randn(2, 328, 64, device=DEVICE).bfloat16()
     y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x.float(), weight.float(), pos, 2, dy.float())
     y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 2, dy)
@@ -115,7 +109,7 @@ def test_gpu_bf16_at_the_small_models_shape() -> None:
     """The KDA layer of ``small``: q, k, v (3 × 1024 channels) from the joint projection's [T, 5256] buffer,
     32 documents in 65,536 tokens, bf16 against the float32 reference."""
     lengths = [2048] * 31 + [65536 - 31 * 2048]
-    x, weight, pos, _ = make_case(lengths, 3072, 4, dtype=torch.bfloat16, extra=5256 - 3072)
+    x, weight, pos = make_case(lengths, 3072, 4, dtype=torch.bfloat16, extra=5256 - 3072)
     dy = torch.randn(3, 65536, 1024, device=DEVICE).bfloat16()
     y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x.float(), weight.float(), pos, 3, dy.float())
     y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 3, dy)
@@ -139,7 +133,7 @@ def test_kda_layer_on_the_kernels_matches_the_references(segment_tokens: int | N
     lengths = [100, 30, 70]
     seq = packed_sequence(F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32), sum(lengths),
                           with_mask=False)
-    x0, _, _, _ = make_case(lengths, 48, 4)
+    x0, _, _ = make_case(lengths, 48, 4)
     layer = kda_layer.KDALayer(48, KDAConfig(n_heads=2, head_dim=32, segment_tokens=segment_tokens))
     runs = []
     for kernels in (True, False):
