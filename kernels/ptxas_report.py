@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     # The short convolution of the KDA layer (width 4), whatever the head dim.
     configs += [(kernel, meta, warps, constants)
                 for kernel, space, constants in [(conv.short_conv_fwd_kernel, conv.FWD_SPACE, dict(W=4)),
-                                                 (conv.short_conv_bwd_kernel, conv.BWD_SPACE,
-                                                  dict(W=4, WP=4, BT=conv.BWD_ROWS, RB=conv.BWD_ROW_BLOCKS))]
+                                                 (conv.short_conv_bwd_da_kernel, conv.DA_SPACE,
+                                                  dict(W=4, WP=4, ROWS=conv.BWD_ROWS)),
+                                                 (conv.short_conv_bwd_dx_kernel, conv.FWD_SPACE, dict(W=4))]
                 for meta, warps in space]
     for kernel, meta, warps, constants in configs:
         print(report(kernel, constants, triton.Config(meta, num_warps=warps), args.stages), flush=True)

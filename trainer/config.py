@@ -92,6 +92,11 @@ class TrainConfig:
     # stops with an error; 0: at the first. In bf16 there is no loss scale to back off, so one is already a bug or a
     # divergence, and every further step would burn a full step of compute for nothing (Megatron-LM stops too).
     max_nonfinite_steps: int = 0
+    # 0: off. Otherwise the optimizer step (counted over the run) that rank 0 runs under torch.profiler, engine and
+    # loader included, writing `profile-step{N}.txt` to the run folder: what the model-only profiler
+    # (`python -m trainer.model.profile`) cannot see, such as the engine's hooks and the queue drains between
+    # micro-batches.
+    profile_step: int = 0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.data, str) and bool(self.data), "data", "must be the pack output folder")
@@ -101,7 +106,7 @@ class TrainConfig:
         names = [s.name for s in self.stages]
         _require(len(set(names)) == len(names), "stages", f"duplicate stage names {names}")
         _positive("TrainConfig", self, "tokens_per_step", "checkpoint_every", "keep_checkpoints", "log_every")
-        for name in ("warmup_steps", "max_nonfinite_steps"):
+        for name in ("warmup_steps", "max_nonfinite_steps", "profile_step"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an int >= 0")
         _require(0.0 <= self.decay_fraction <= 1.0, "decay_fraction", f"must lie in [0, 1], got {self.decay_fraction}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")

@@ -38,6 +38,10 @@ __all__ = ["Trainer", "TrainerState", "batch_shapes", "main", "model_inputs", "r
 log = logging.getLogger(__name__)
 
 _MODEL_INPUTS = ("input_ids", "labels", "cu_seqlens", "pixel_values", "image_grid")
+# What the model reads on the host (token ids for the image check, labels for their count, boundaries, image grids)
+# stays there: read back from the device, it would wait for the previous micro-batch's backward to leave the GPU
+# queue. The model moves what the GPU needs.
+_HOST_INPUTS = ("input_ids", "labels", "cu_seqlens", "image_grid")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -56,9 +60,10 @@ class TrainerState:
 
 
 def model_inputs(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """The model's arguments from a loader batch: tensors on ``device``, image patches in ``dtype``."""
-    inputs = {k: batch[k].to(device, non_blocking=True) if isinstance(batch[k], torch.Tensor) else batch[k]
-              for k in _MODEL_INPUTS}
+    """The model's arguments from a loader batch: image patches on ``device`` in ``dtype``; the rest left on the host
+    (``_HOST_INPUTS``)."""
+    inputs = {k: batch[k].to(device, non_blocking=True)
+              if isinstance(batch[k], torch.Tensor) and k not in _HOST_INPUTS else batch[k] for k in _MODEL_INPUTS}
     if inputs["pixel_values"] is not None:
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
     return {**inputs, "sample_keys": batch["sample_keys"]}
@@ -178,18 +183,20 @@ class Trainer:
         self._barrier()
         return folder
 
-    def _micro_step(self, batch: dict[str, Any]) -> tuple[float, int, list[int], list[tuple[int, int]]]:
+    def _micro_step(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int, list[int], list[tuple[int, int]]]:
+        """Forward and backward of one micro-batch; its loss sum stays on the device (read once per step)."""
         out = self.engine(**model_inputs(batch, self.device, torch.bfloat16 if self.bf16 else torch.float32))
         self.engine.backward(out.loss)
         self.engine.step()
         lengths, grids = batch_shapes(batch)
-        return float(out.loss_sum.detach()), out.n_loss_tokens, lengths, grids
+        return out.loss_sum.detach(), out.n_loss_tokens, lengths, grids
 
     def train_step(self) -> dict[str, Any]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()  # peak_memory_gib is this step's
         start = time.perf_counter()
-        loss_sum, n_loss, lengths, grids, keys = 0.0, 0, [], [], []
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        n_loss, lengths, grids, keys = 0, [], [], []
         for _ in range(self.plan.grad_accum):
             batch = next(self.batches)
             keys.extend(batch["sample_keys"])
@@ -197,7 +204,7 @@ class Trainer:
             loss_sum, n_loss = loss_sum + s, n_loss + n
             lengths += l
             grids += g
-        totals = torch.tensor([loss_sum, float(n_loss)], dtype=torch.float64)
+        totals = torch.tensor([float(loss_sum), float(n_loss)], dtype=torch.float64)
         if self.world_size > 1:
             torch.distributed.all_reduce(totals)
             per_rank: list[list[str]] = [[] for _ in range(self.world_size)]
@@ -265,7 +272,7 @@ class Trainer:
                     if not self._advance_by_itself():
                         break
                     continue
-                record = self.train_step()
+                record = self._profiled_step() if self.state.step + 1 == self.config.profile_step else self.train_step()
                 done_here += 1
                 if self.state.step % self.config.log_every == 0:
                     self.metrics.write(record)
@@ -286,6 +293,23 @@ class Trainer:
                 self.save_checkpoint()
         self.metrics.close()
         return self.state
+
+    def _profiled_step(self) -> dict[str, Any]:
+        """``train_step`` under torch.profiler on rank 0; the summary goes to ``profile-step{N}.txt``."""
+        if self.rank != 0:
+            return self.train_step()
+        from torch.profiler import ProfilerActivity, profile
+
+        from trainer.model.profile import summary
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            record = self.train_step()
+        path = self.run.root / f"profile-step{record['step']}.txt"
+        path.write_text(f"step {record['step']} ({record['stage']}): {record['step_seconds']:.3f} s under the "
+                        f"profiler, {self.plan.grad_accum} micro-batches\n" + summary(prof, steps=1, rows=40) + "\n")
+        log.info("profile of step %d written to %s", record["step"], path)
+        return record
 
     def _advance_by_itself(self) -> bool:
         """At a spent stage budget: with ``auto_advance``, checkpoint (unless the run writes none) and move to the

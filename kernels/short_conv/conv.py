@@ -1,9 +1,12 @@
-"""Causal depthwise short convolution + SiLU over packed documents, as one Triton kernel each way.
+"""Causal depthwise short convolution + SiLU over packed documents: one Triton kernel forward, two backward.
 
 Compiled from PyTorch, the shift-and-add of ``naive.py`` became three float32 pad copies and a fused kernel forward,
-and three kernels backward: 220 of a 1,659 ms ``small`` step at 131K tokens (H200 profile, BENCHMARKS.md). Here each
-way reads x (and dy) once from HBM and writes its result once: the taps re-read neighbouring rows from cache, and
-the backward recomputes the pre-activation of the W rows each output gradient needs instead of storing it.
+and three kernels backward: 220 of a 1,659 ms ``small`` step at 131K tokens (H200 profile, BENCHMARKS.md). The
+forward reads x once from HBM and writes y once (the taps re-read neighbouring rows from cache). The backward
+recomputes the pre-activation instead of storing it and writes da = dy · silu' once, with the weight gradient's
+partial sums; a second kernel gathers dx from the W rows of da that each row's taps reached. A single backward kernel
+that recomputed da for every tap (W² shifted loads per tile) took 9.0 ms at the 8k stage's shape against 1.1 ms
+forward (H200, 2026-12-03).
 
 Layout: x ``[T, C]`` may be a column slice of a wider buffer (the KDA layer's joint projection); the output is
 ``[groups, T, C // groups]`` contiguous, so q, k and v come out as separate contiguous tensors from one launch.
@@ -21,9 +24,9 @@ from kernels.short_conv.naive import naive_short_conv_silu
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_WIDTH = 8
-# The backward's row block (fixed: the weight-gradient partials are one row per program) and the blocks one program
-# walks: its partial dw [C, W] float32 is then 1/64 of its dx traffic (one block per program: 1/8, written and read).
-BWD_ROWS, BWD_ROW_BLOCKS = 64, 8
+# Rows per program of the backward's first kernel: its weight-gradient partial dw [C, W] float32 is one per program,
+# 1/64 of its da traffic at width 4.
+BWD_ROWS = 512
 
 
 @triton.jit
@@ -47,11 +50,13 @@ def conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.con
 
 
 # Tiles that ptxas (sm_90, width 4) compiles without spills (`python -m kernels.ptxas_report`): the W shifted loads of
-# a tile are all in flight at once, so registers grow with the elements per thread (about 9 each forward, 25
-# backward); a forward 64 × 64 tile with 4 warps used 255 registers and spilled.
+# a tile are all in flight at once, so registers grow with the elements per thread (about 9 each forward and dx, 11
+# for da); a forward 64 × 64 tile with 4 warps used 255 registers and spilled, as did a da 32 × 64 one. FWD_SPACE
+# serves the dx kernel too: the same tile shape of W shifted loads.
 FWD_SPACE = [({"BT": 16, "BC": 128}, 4), ({"BT": 32, "BC": 64}, 4), ({"BT": 16, "BC": 256}, 8),
              ({"BT": 64, "BC": 64}, 8), ({"BT": 8, "BC": 256}, 4)]
-BWD_SPACE = [({"BC": 16}, 4), ({"BC": 32}, 8), ({"BC": 16}, 8)]
+DA_SPACE = [({"BT": 16, "BC": 128}, 4), ({"BT": 16, "BC": 64}, 4), ({"BT": 8, "BC": 256}, 4),
+            ({"BT": 16, "BC": 256}, 8)]
 
 
 @triton.autotune(configs=configs(FWD_SPACE), key=["C", "W"])
@@ -65,39 +70,50 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, CG, stride_x, W: tl.constexpr, BT:
              mask=m_t[:, None] & m_c[None, :])
 
 
-@triton.autotune(configs=configs(BWD_SPACE), key=["C", "W"])
+@triton.autotune(configs=configs(DA_SPACE), key=["C", "W"])
 @triton.jit
-def short_conv_bwd_kernel(x, w, pos, dy, dx, dw, T, C, CG, stride_x, W: tl.constexpr, WP: tl.constexpr,
-                          BT: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr):
-    """dx[t] = Σ_j w[:, j] da[t + j] over the rows t + j whose tap j stays in their document, where da = dy ·
-    silu'(pre-activation), recomputed for those rows; dw[program, :, i] = Σ_t da[t] x[t − i] over the program's RB
-    blocks of BT rows."""
+def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, CG, stride_x, W: tl.constexpr, WP: tl.constexpr,
+                             ROWS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """da = dy · silu'(pre-activation) (the pre-activation recomputed, not stored) for the program's ROWS rows, and
+    their weight-gradient partial dw[program, c, i] = Σ_t da[t] x[t − i] over the taps inside t's document."""
     i_t = tl.program_id(0)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     o_w = tl.arange(0, WP)
     m_c = o_c < C
     b_dw = tl.zeros([BC, WP], dtype=tl.float32)
-    for r in range(RB):
-        o_t = (i_t.to(tl.int64) * RB + r) * BT + tl.arange(0, BT)
+    for r in range(ROWS // BT):
+        o_t = i_t.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
-        b_dx = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(W):
-            o_s = o_t + j
-            m_s = o_s < T
-            acc, b_pos = conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W, BT, BC)
-            b_dy = tl.load(dy + grouped_offsets(o_s, o_c, T, CG), mask=m_s[:, None] & m_c[None, :], other=0.)
-            sig = tl.sigmoid(acc)
-            b_da = b_dy.to(tl.float32) * sig * (1. + acc * (1. - sig))
-            b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
-            b_dx += tl.where((m_s & (b_pos >= j))[:, None], b_da, 0.) * b_w[None, :]
-            if j == 0:  # the block's own rows: their weight-gradient terms
-                for i in tl.static_range(W):
-                    m = (m_t & (b_pos >= i) & (o_t >= i))[:, None] & m_c[None, :]
-                    b_x = tl.load(x + (o_t - i)[:, None] * stride_x + o_c[None, :], mask=m, other=0.)
-                    b_dw += tl.where(o_w[None, :] == i, tl.sum(b_da * b_x.to(tl.float32), 0)[:, None], 0.)
-        tl.store(dx + o_t[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
+        acc, b_pos = conv_at(x, w, pos, o_t, m_t, o_c, m_c, stride_x, W, BT, BC)
+        b_dy = tl.load(dy + grouped_offsets(o_t, o_c, T, CG), mask=m_t[:, None] & m_c[None, :], other=0.)
+        sig = tl.sigmoid(acc)
+        b_da = b_dy.to(tl.float32) * sig * (1. + acc * (1. - sig))
+        tl.store(da + o_t[:, None] * C + o_c[None, :], b_da.to(da.dtype.element_ty),
                  mask=m_t[:, None] & m_c[None, :])
+        for i in tl.static_range(W):  # the taps' rows again: conv_at just brought them into cache
+            m = (m_t & (b_pos >= i) & (o_t >= i))[:, None] & m_c[None, :]
+            b_x = tl.load(x + (o_t - i)[:, None] * stride_x + o_c[None, :], mask=m, other=0.)
+            b_dw += tl.where(o_w[None, :] == i, tl.sum(b_da * b_x.to(tl.float32), 0)[:, None], 0.)
     tl.store(dw + (i_t * C + o_c)[:, None] * W + o_w[None, :], b_dw, mask=m_c[:, None] & (o_w < W)[None, :])
+
+
+@triton.autotune(configs=configs(FWD_SPACE), key=["C", "W"])
+@triton.jit
+def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """dx[t] = Σ_j w[:, j] da[t + j] over the rows t + j whose tap j stays inside their document (pos ≥ j)."""
+    o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_t, m_c = o_t < T, o_c < C
+    b_dx = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        o_s = o_t + j
+        m_s = o_s < T
+        b_pos = tl.load(pos + o_s, mask=m_s, other=0)
+        b_da = tl.load(da + o_s[:, None] * C + o_c[None, :], mask=(m_s & (b_pos >= j))[:, None] & m_c[None, :],
+                       other=0.)
+        b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
+        b_dx += b_da.to(tl.float32) * b_w[None, :]
+    tl.store(dx + o_t[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
 
 class ShortConvSiLU(torch.autograd.Function):
@@ -117,13 +133,16 @@ class ShortConvSiLU(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # noqa: ANN001
         x, weight, positions = ctx.saved_tensors
         (T, C), W = x.shape, weight.shape[1]
-        dx = torch.empty(T, C, dtype=x.dtype, device=x.device)
-        n_programs = triton.cdiv(T, BWD_ROWS * BWD_ROW_BLOCKS)
+        # da in dy's dtype: in bf16 its rounding is that of dy itself; the weight gradient uses it in float32
+        da = torch.empty(T, C, dtype=dy.dtype, device=x.device)
+        n_programs = triton.cdiv(T, BWD_ROWS)
         dw = torch.empty(n_programs, C, W, dtype=torch.float32, device=x.device)
-        grid = lambda meta: (n_programs, triton.cdiv(C, meta["BC"]))  # noqa: E731
-        short_conv_bwd_kernel[grid](x, weight, positions, dy.contiguous(), dx, dw, T, C, C // dy.shape[0],
-                                    x.stride(0), W=W, WP=triton.next_power_of_2(W), BT=BWD_ROWS,
-                                    RB=BWD_ROW_BLOCKS)
+        short_conv_bwd_da_kernel[lambda meta: (n_programs, triton.cdiv(C, meta["BC"]))](
+            x, weight, positions, dy.contiguous(), da, dw, T, C, C // dy.shape[0], x.stride(0), W=W,
+            WP=triton.next_power_of_2(W), ROWS=BWD_ROWS)
+        dx = torch.empty(T, C, dtype=x.dtype, device=x.device)
+        short_conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]))](
+            da, weight, positions, dx, T, C, W=W)
         return dx, dw.sum(0).to(weight.dtype), None, None
 
 

@@ -442,7 +442,7 @@ def test_intermediates_go_through_saved_tensor_hooks() -> None:
 @pytest.mark.skipif(not INTERPRET, reason="a CUDA machine measures instead (and may carry another Triton)")
 def test_ptxas_report_compiles_every_kernel_for_hopper() -> None:
     """The offline sm_90 report (its own process: the compiler, not the interpreter) covers the five KDA kernels
-    and the two short-convolution kernels, none of whose configs spills."""
+    and the three short-convolution kernels, none of whose configs spills."""
     import os
     import subprocess
 
@@ -452,6 +452,6 @@ def test_ptxas_report_compiles_every_kernel_for_hopper() -> None:
     kernels = {line.split()[0] for line in out.splitlines()}
     assert kernels == {"chunk_kda_fwd_intra_kernel", "chunk_kda_fwd_h_kernel", "chunk_kda_bwd_dh_kernel",
                        "chunk_kda_bwd_dA_kernel", "chunk_kda_bwd_dqkg_kernel", "short_conv_fwd_kernel",
-                       "short_conv_bwd_kernel"}, out
+                       "short_conv_bwd_da_kernel", "short_conv_bwd_dx_kernel"}, out
     assert all("registers=" in line and "spilled stores/loads=" in line for line in out.splitlines())
     assert all("spilled stores/loads=0/0 B" in line for line in out.splitlines() if line.startswith("short_conv")), out

@@ -42,3 +42,21 @@ def test_small_forward_backward_bf16(model: LongweaveModel, seq_len: int) -> Non
     print(f"\nsmall bf16 seq_len={seq_len}: first step {times[0]:.1f}s, step {step * 1e3:.0f} ms, "
           f"{seq_len / step:,.0f} tokens/s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, "
           f"MFU {mfu(flops.total, step):.1%}, loss {loss:.3f}, docs {len(doc_lengths)}")
+
+
+@pytest.mark.gpu
+def test_a_step_given_the_trainers_batch_reads_nothing_back(model: LongweaveModel) -> None:
+    """The batch split as the trainer passes it (metadata on the host, patches on the device): a warm forward +
+    backward makes no host-device sync. Each one would wait for all queued work, at a micro-batch's start the whole
+    previous backward, and leave the GPU idle while the host launches again."""
+    batch, _ = synthetic_batch(8192, torch.Generator().manual_seed(1))
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    model(**batch).loss.backward()  # compiles and autotunes
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = model(**batch)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert math.isfinite(out.loss.item())

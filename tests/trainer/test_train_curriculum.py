@@ -170,9 +170,9 @@ def test_config_errors_name_the_field(short_shards: Path) -> None:
 
 def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_shards: Path, tmp_path: Path) -> None:
     """Also: the first stage recomputes only its first decoder layer, the second keeps the run's setting (every
-    layer)."""
+    layer); the second step runs under the profiler."""
     config = tmp_path / "config.yaml"
-    text = _config_yaml(short_shards, 2, 1, save_checkpoints=False, activation_checkpointing=True)
+    text = _config_yaml(short_shards, 2, 1, save_checkpoints=False, activation_checkpointing=True, profile_step=2)
     config.write_text(text.replace("micro_batch: 1, token_budget: 2048}", "micro_batch: 1, token_budget: 2048, "
                                    "activation_checkpointing: 1}"))
     run = tmp_path / "run"
@@ -183,6 +183,10 @@ def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_sha
             for m in metrics] == [(1, "s512", 1, 2, 1), (2, "s512", 1, 2, 1), (3, "s1k", 1, 1, True)]
     assert all(m["process_seconds"] >= m["step_seconds"] > 0 for m in metrics)
     assert RunDir(run).complete_checkpoints() == []  # none at the transition, periodically, or at the end
+    assert [p.name for p in run.glob("profile-step*.txt")] == ["profile-step2.txt"]
+    profiled = (run / "profile-step2.txt").read_text()
+    assert profiled.startswith("step 2 (s512):") and "2 micro-batches" in profiled
+    assert "aten::" in profiled and "host-device synchronisations per step:" in profiled
     transitions = [json.loads(line) for line in (run / "transitions.jsonl").read_text().splitlines()]
     assert [(t["from"], t["to"], t["step"], t["checkpoint"], t["tokens_in_previous_stage"]) for t in transitions] \
         == [("s512", "s1k", 2, None, 2048)]
@@ -236,3 +240,12 @@ def test_device_recipe_of_8k_without_recompute() -> None:
     assert config.activation_checkpointing  # the run's default, which the stage overrides
     assert [(p.stage, p.micro_batch, p.grad_accum, p.steps, p.activation_checkpointing) for p in plans] == [
         ("8k", 4, 32, 3, False)]
+
+
+def test_device_recipe_of_8k_with_ten_layers_recomputed() -> None:
+    from trainer.config import load_train_config
+
+    config = load_train_config(Path(__file__).parents[2] / "devrun" / "gpu_small_8k_ac10.yaml")
+    plans = [plan_stage(config, stage, world_size=1) for stage in config.stages]
+    assert [(p.stage, p.micro_batch, p.grad_accum, p.steps, p.activation_checkpointing) for p in plans] == [
+        ("8k", 16, 8, 3, 10)] and config.profile_step == 3

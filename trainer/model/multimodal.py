@@ -38,12 +38,12 @@ def cross_entropy_chunk(logits: torch.Tensor, targets: torch.Tensor,
     ``n × V`` float32 (the upcast, the max and the exponentials of logsumexp, the subtraction, the exponential, the
     one-hot, the downcast): 1 GiB each for 8,192 × 32,768. On CUDA it compiles to a few kernels that read the bf16
     logits and write the bf16 gradient."""
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+    wide = logits.float()
+    lse = torch.logsumexp(wide, dim=-1)
+    loss = (lse - wide.gather(1, targets[:, None]).squeeze(1)).sum()
     if not want_grad:
         return loss, None
-    probs = torch.exp(logits - lse[:, None])
+    probs = torch.exp(wide - lse[:, None])
     target = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
     return loss, torch.where(target, probs - 1.0, probs).to(logits.dtype)
 
@@ -170,11 +170,13 @@ class LongweaveModel(nn.Module):
     def embed_inputs(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                      image_grid: torch.Tensor | None = None, sample_keys: Sequence[str] | None = None) -> torch.Tensor:
         """Flattened input embeddings ``[B·L, d]``: token embeddings with the vision tower's output written into
-        the ``<|image_pad|>`` positions (in order). ``image_grid`` may be on the host (no sync to read it)."""
+        the ``<|image_pad|>`` positions (in order). ``input_ids`` and ``image_grid`` may be on the host: then the
+        image-token check runs there, and nothing is read back from the GPU."""
+        device = self.embed.weight.device
         flat = input_ids.reshape(-1)
         grid = None if image_grid is None else image_grid.cpu()
-        positions = self._image_positions(flat, grid, input_ids.shape[-1], sample_keys)
-        x = self.embed(flat)
+        positions = self._image_positions(flat, grid, input_ids.shape[-1], sample_keys).to(device, non_blocking=True)
+        x = self.embed(flat.to(device, non_blocking=True))
         if positions.numel():
             if pixel_values is None:
                 raise ValueError("pixel_values: the batch has image tokens but no pixel_values")
@@ -189,11 +191,11 @@ class LongweaveModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                       pixel_values: torch.Tensor | None = None, image_grid: torch.Tensor | None = None,
                       sample_keys: Sequence[str] | None = None) -> torch.Tensor:
-        """Final normalised hidden states ``[B, L, d]``. ``cu_seqlens`` and ``image_grid`` may be on the host: then
-        the step reads nothing back from the GPU but one verdict (the image-token check)."""
+        """Final normalised hidden states ``[B, L, d]``. ``input_ids``, ``cu_seqlens`` and ``image_grid`` may be on
+        the host: then the step reads nothing back from the GPU (on the device, the image-token check's verdict is one
+        read, which waits for all work queued before it)."""
         B, L = input_ids.shape
-        # The batch's metadata first, so its host reads wait for nothing queued on the GPU.
-        seq = packed_sequence(cu_seqlens, B * L, with_mask=self.decoder.needs_mask, device=input_ids.device)
+        seq = packed_sequence(cu_seqlens, B * L, with_mask=self.decoder.needs_mask, device=self.embed.weight.device)
         x = self.embed_inputs(input_ids, pixel_values, image_grid, sample_keys)
         return self.norm(self.decoder(x, seq)).view(B, L, -1)
 
@@ -207,12 +209,17 @@ class LongweaveModel(nn.Module):
         over the flattened ``B·L`` tokens, ending at ``B·L``; pixel_values float ``[N_patches, 588]`` and image_grid
         int64 ``[n_images, 2]`` (merged rows, cols) for the images in order of appearance; sample_keys (one per row)
         only name the sample in errors.
+
+        Everything but pixel_values is best given on the host (the trainer does): the forward reads the counts, bounds
+        and image check there and moves what the GPU needs. Read back from the device, the first of them would wait
+        for the whole previous micro-batch's backward to leave the GPU queue, which then runs dry.
         """
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels: must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        n_loss = int((labels[:, 1:] != IGNORE_INDEX).sum())  # on the host when labels are there: no sync
+        labels = labels.to(self.embed.weight.device, non_blocking=True)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
         predicted = targets != IGNORE_INDEX
-        n_loss = int(predicted.sum())  # host reads before any launch of the step, so they wait for nothing
         grid = None if image_grid is None else image_grid.cpu()
         hidden = self.hidden_states(input_ids, cu_seqlens, pixel_values, grid, sample_keys)
         keep = true_positions(predicted, n_loss)

@@ -58,13 +58,30 @@ def kernel_rows(events, steps: int) -> list[tuple[str, str, float, float]]:
     return sorted(rows, key=lambda r: -r[3])
 
 
-def print_buckets(rows: list[tuple[str, str, float, float]]) -> None:
+def bucket_lines(rows: list[tuple[str, str, float, float]]) -> list[str]:
     total = sum(r[3] for r in rows) or 1.0
-    print(f"GPU time per step by kind of kernel ({total:.1f} ms in all):")
+    lines = [f"GPU time per step by kind of kernel ({total:.1f} ms in all):"]
     for kind in [k for k, _ in BUCKETS] + ["other"]:
         mine = [r for r in rows if r[0] == kind]
         ms = sum(r[3] for r in mine)
-        print(f"  {kind:18s} {ms:9.2f} ms {ms / total:6.1%}  {sum(r[2] for r in mine):8.0f} launches")
+        lines.append(f"  {kind:18s} {ms:9.2f} ms {ms / total:6.1%}  {sum(r[2] for r in mine):8.0f} launches")
+    return lines
+
+
+def summary(prof: profile, steps: int, rows: int, shapes: bool = False) -> str:
+    """The operators by self GPU and CPU time (and by input shapes), the GPU time per kind of kernel and the
+    host-device synchronisations, per step of ``steps`` profiled ones."""
+    events = prof.key_averages()
+    parts = [events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70),
+             events.table(sort_by="self_cpu_time_total", row_limit=rows // 2, max_name_column_width=70)]
+    if shapes:
+        parts.append(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="cuda_time_total", row_limit=rows, max_name_column_width=40, max_shapes_column_width=90))
+    parts += bucket_lines(kernel_rows(events, steps))
+    parts.append("host-device synchronisations per step:")
+    parts += [f"  {e.key:30s} {e.count / steps:8.1f} calls, {e.cpu_time_total / steps / 1e3:8.1f} ms"
+              for e in events if e.key in SYNC_OPS]
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,23 +125,12 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"{args.preset} seq_len={args.seq_len}: warm-up {[round(t, 2) for t in warm]} s, profiled "
           f"{[round(t, 3) for t in times]} s, {plain_step()}")
-    events = prof.key_averages()
-    print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows // 2, max_name_column_width=70))
-    if args.shapes:
-        print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=args.rows,
-                                                                  max_name_column_width=40, max_shapes_column_width=90))
-    rows = kernel_rows(events, args.steps)
-    print_buckets(rows)
+    print(summary(prof, args.steps, args.rows, args.shapes))
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["bucket", "kernel", "calls_per_step", "gpu_ms_per_step"])
-            writer.writerows(rows)
-    print("host-device synchronisations per step:")
-    for e in events:
-        if e.key in SYNC_OPS:
-            print(f"  {e.key:30s} {e.count / args.steps:8.1f} calls, {e.cpu_time_total / args.steps / 1e3:8.1f} ms")
+            writer.writerows(kernel_rows(prof.key_averages(), args.steps))
     for setting in sweep[1:]:
         config.checkpoint_layers = setting
         torch.cuda.reset_peak_memory_stats()

@@ -13,7 +13,8 @@ IMAGE_GRIDS = [(16, 16), (12, 20)]
 
 def synthetic_batch(seq_len: int, generator: torch.Generator, device: str = "cuda") -> tuple[dict, list[int]]:
     """One row: a 2048-token document holding two images, random-length documents after it, a padding tail.
-    Returns the batch and the segment lengths (padding included) for the FLOP count."""
+    Returns the batch and the segment lengths (padding included) for the FLOP count. The image patches are on
+    ``device``, the rest on the host, as the trainer passes them (``trainer.train.model_inputs``)."""
     lengths = [2048]
     while sum(lengths) < seq_len - 600:
         n = 64 + int(torch.empty(()).log_normal_(7.0, 1.0, generator=generator))
@@ -36,4 +37,5 @@ def synthetic_batch(seq_len: int, generator: torch.Generator, device: str = "cud
         "pixel_values": torch.randn(patches, 588, generator=generator),
         "image_grid": torch.tensor(IMAGE_GRIDS),
     }
-    return {k: v.to(device) for k, v in batch.items()}, lengths + [seq_len - used]
+    batch["pixel_values"] = batch["pixel_values"].to(device)
+    return batch, lengths + [seq_len - used]
