@@ -194,6 +194,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()  # peak_memory_gib is this step's
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         n_loss, lengths, grids, keys = 0, [], [], []
@@ -244,6 +245,10 @@ class Trainer:
         }
         if self.device.type == "cuda":
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            # Allocations that found no free block: the allocator then synchronises the device and returns its cache
+            # to the driver, stalling the step (torchtitan logs the same counter). Near the memory limit, a sign to
+            # recompute more layers.
+            record["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
         return record
 
     def _check_finite(self, record: dict[str, Any]) -> None:
@@ -277,11 +282,11 @@ class Trainer:
                 if self.state.step % self.config.log_every == 0:
                     self.metrics.write(record)
                     if self.rank == 0:
-                        log.info("step %d (%s): %.2f s, %.0f tokens/s, MFU %s, peak %s GiB, loss %.4f",
-                                 record["step"], record["stage"], record["step_seconds"], record["tokens_per_s"],
-                                 f"{record['mfu']:.2%}" if record["mfu"] is not None else "-",
+                        log.info("step %d (%s): %.2f s, %.0f tokens/s, MFU %s, peak %s GiB (%s allocation retries), "
+                                 "loss %.4f", record["step"], record["stage"], record["step_seconds"],
+                                 record["tokens_per_s"], f"{record['mfu']:.2%}" if record["mfu"] is not None else "-",
                                  f"{record['peak_memory_gib']:.1f}" if "peak_memory_gib" in record else "-",
-                                 record["loss"])
+                                 record.get("alloc_retries", "-"), record["loss"])
                 progress.update(task, completed=self.state.step,
                                 description=f"{self.state.stage} loss {record['loss']:.3f}")
                 self._check_finite(record)

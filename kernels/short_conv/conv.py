@@ -50,12 +50,12 @@ def conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.con
 
 
 # Tiles that ptxas (sm_90, width 4) compiles without spills (`python -m kernels.ptxas_report`): the W shifted loads of
-# a tile are all in flight at once, so registers grow with the elements per thread (about 9 each forward and dx, 11
-# for da); a forward 64 × 64 tile with 4 warps used 255 registers and spilled, as did a da 32 × 64 one. FWD_SPACE
-# serves the dx kernel too: the same tile shape of W shifted loads.
+# a tile are all in flight at once, so registers grow with the elements per thread (about 9 each forward and dx; da
+# holds its [BT, WP, BC] taps and their running products, 220 to 244 registers in these four); a forward 64 × 64 tile
+# with 4 warps used 255 registers and spilled. FWD_SPACE serves the dx kernel too: the same W shifted loads.
 FWD_SPACE = [({"BT": 16, "BC": 128}, 4), ({"BT": 32, "BC": 64}, 4), ({"BT": 16, "BC": 256}, 8),
              ({"BT": 64, "BC": 64}, 8), ({"BT": 8, "BC": 256}, 4)]
-DA_SPACE = [({"BT": 16, "BC": 128}, 4), ({"BT": 16, "BC": 64}, 4), ({"BT": 8, "BC": 256}, 4),
+DA_SPACE = [({"BT": 16, "BC": 64}, 4), ({"BT": 16, "BC": 128}, 4), ({"BT": 8, "BC": 128}, 4),
             ({"BT": 16, "BC": 256}, 8)]
 
 
@@ -75,26 +75,33 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, CG, stride_x, W: tl.constexpr, BT:
 def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, CG, stride_x, W: tl.constexpr, WP: tl.constexpr,
                              ROWS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """da = dy · silu'(pre-activation) (the pre-activation recomputed, not stored) for the program's ROWS rows, and
-    their weight-gradient partial dw[program, c, i] = Σ_t da[t] x[t − i] over the taps inside t's document."""
+    their weight-gradient partial dw[program, c, i] = Σ_t da[t] x[t − i] over the taps inside t's document.
+
+    The taps are one [BT, WP, BC] load that gives both the pre-activation (a sum over taps) and, multiplied by da, the
+    weight-gradient terms, summed elementwise over the row blocks and over rows once at the end. Reducing over rows
+    per block and tap crosses warps through shared memory every time: 5.9 ms at the 8k stage's shape (H200)."""
     i_t = tl.program_id(0)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     o_w = tl.arange(0, WP)
-    m_c = o_c < C
-    b_dw = tl.zeros([BC, WP], dtype=tl.float32)
+    m_c, m_w = o_c < C, o_w < W
+    b_w = tl.load(w + o_c[None, :] * W + o_w[:, None], mask=m_w[:, None] & m_c[None, :], other=0.).to(tl.float32)
+    b_terms = tl.zeros([BT, WP, BC], dtype=tl.float32)
     for r in range(ROWS // BT):
         o_t = i_t.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
-        acc, b_pos = conv_at(x, w, pos, o_t, m_t, o_c, m_c, stride_x, W, BT, BC)
+        b_pos = tl.load(pos + o_t, mask=m_t, other=0)
+        o_s = o_t[:, None] - o_w[None, :]  # the row each tap reads
+        m_s = m_t[:, None] & m_w[None, :] & (b_pos[:, None] >= o_w[None, :]) & (o_s >= 0)
+        b_x = tl.load(x + o_s[:, :, None] * stride_x + o_c[None, None, :], mask=m_s[:, :, None] & m_c[None, None, :],
+                      other=0.).to(tl.float32)
+        acc = tl.sum(b_x * b_w[None, :, :], 1)
         b_dy = tl.load(dy + grouped_offsets(o_t, o_c, T, CG), mask=m_t[:, None] & m_c[None, :], other=0.)
         sig = tl.sigmoid(acc)
         b_da = b_dy.to(tl.float32) * sig * (1. + acc * (1. - sig))
         tl.store(da + o_t[:, None] * C + o_c[None, :], b_da.to(da.dtype.element_ty),
                  mask=m_t[:, None] & m_c[None, :])
-        for i in tl.static_range(W):  # the taps' rows again: conv_at just brought them into cache
-            m = (m_t & (b_pos >= i) & (o_t >= i))[:, None] & m_c[None, :]
-            b_x = tl.load(x + (o_t - i)[:, None] * stride_x + o_c[None, :], mask=m, other=0.)
-            b_dw += tl.where(o_w[None, :] == i, tl.sum(b_da * b_x.to(tl.float32), 0)[:, None], 0.)
-    tl.store(dw + (i_t * C + o_c)[:, None] * W + o_w[None, :], b_dw, mask=m_c[:, None] & (o_w < W)[None, :])
+        b_terms += b_da[:, None, :] * b_x
+    tl.store(dw + (i_t * C + o_c)[None, :] * W + o_w[:, None], tl.sum(b_terms, 0), mask=m_w[:, None] & m_c[None, :])
 
 
 @triton.autotune(configs=configs(FWD_SPACE), key=["C", "W"])
