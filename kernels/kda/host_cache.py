@@ -11,28 +11,39 @@ counter is checked as well, so an in-place edit is never served stale.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 
-class HostCopies:
-    """The CPU copy of each of the last ``size`` device tensors passed to ``get``, by identity and version."""
+class TensorMemo:
+    """``fn(x, *args)`` for the last ``size`` calls, keyed by x's identity and version counter and by args."""
 
-    def __init__(self, size: int = 4) -> None:
-        self._entries: collections.deque[tuple[torch.Tensor, int, torch.Tensor]] = collections.deque(maxlen=size)
+    def __init__(self, fn: Callable[..., Any], size: int = 4) -> None:
+        self._fn = fn
+        self._entries: collections.deque[tuple[torch.Tensor, int, tuple, Any]] = collections.deque(maxlen=size)
         self.misses = 0
 
-    def get(self, x: torch.Tensor) -> torch.Tensor:
-        """x itself if it is on the CPU, else its host copy (read back from the device only on a miss)."""
-        if x.device.type == "cpu":
-            return x
-        for tensor, version, host in self._entries:
-            if tensor is x and version == x._version:
-                return host
+    def get(self, x: torch.Tensor, *args: Any) -> Any:
+        for tensor, version, key, value in self._entries:
+            if tensor is x and version == x._version and key == args:
+                return value
         self.misses += 1
-        host = x.cpu()
-        self._entries.append((x, x._version, host))
-        return host
+        value = self._fn(x, *args)
+        self._entries.append((x, x._version, args, value))
+        return value
+
+
+class HostCopies(TensorMemo):
+    """The CPU copy of each of the last ``size`` device tensors passed to ``get`` (read back only on a miss)."""
+
+    def __init__(self, size: int = 4) -> None:
+        super().__init__(torch.Tensor.cpu, size)
+
+    def get(self, x: torch.Tensor) -> torch.Tensor:
+        """x itself if it is on the CPU, else its host copy."""
+        return x if x.device.type == "cpu" else super().get(x)
 
 
 HOST_CU_SEQLENS = HostCopies()

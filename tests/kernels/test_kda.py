@@ -381,6 +381,23 @@ def test_host_cu_seqlens_pass_through() -> None:
     assert cache.get(cu) is cu and cache.misses == 0
 
 
+def test_chunk_tables_are_built_once_per_cu_seqlens() -> None:
+    """Every layer of a micro-batch gets the same cu_seqlens tensor: its chunk tables are built on the first call and
+    reused; a new tensor, another device argument or an in-place edit builds them again, and the tables match."""
+    from kernels.kda.chunk import CHUNK, CHUNK_PLANS, prepare_chunks
+
+    cu, cpu = torch.tensor([0, 5, 9 + CHUNK], dtype=torch.int32), torch.device("cpu")
+    before = CHUNK_PLANS.misses
+    first = prepare_chunks(cu, cpu)
+    assert prepare_chunks(cu, cpu) is first and CHUNK_PLANS.misses == before + 1
+    offsets, chunks, order = first
+    assert offsets.tolist() == [0, 1, 3] and chunks.tolist() == [[0, 5], [5, 9 + CHUNK], [5 + CHUNK, 9 + CHUNK]]
+    assert order.tolist() == [1, 0]
+    cu[2] = 10
+    assert prepare_chunks(cu, cpu)[1].tolist() == [[0, 5], [5, 10]] and CHUNK_PLANS.misses == before + 2
+    assert prepare_chunks(cu.clone(), cpu)[0].tolist() == [0, 1, 2] and CHUNK_PLANS.misses == before + 3
+
+
 @pytest.mark.gpu
 def test_gpu_device_cu_seqlens_read_back_once() -> None:
     """A device cu_seqlens is read back once per tensor (and again after an in-place edit); a forward + backward
