@@ -40,8 +40,14 @@ def implementations(cu: torch.Tensor) -> dict[str, Callable]:
         from fla.modules.causal_conv1d.ops import causal_conv1d
     except ImportError:
         return impls
-    impls["fla"] = lambda x, w, pos: causal_conv1d(x.unsqueeze(0), w, activation="silu", cu_seqlens=cu)[0]
+    # Its weight's last tap multiplies the current token (the causal-conv1d convention); ours is the first.
+    impls["fla"] = lambda x, w, pos: causal_conv1d(x.unsqueeze(0), w.flip(1), activation="silu", cu_seqlens=cu)[0]
     return impls
+
+
+def as_rows(y: torch.Tensor) -> torch.Tensor:
+    """``[T, C]`` in channel order, from ours ``[groups, T, C / groups]`` or fla's ``[T, C]``."""
+    return y.transpose(0, 1).reshape(y.shape[1], -1) if y.dim() == 3 else y
 
 
 def measure(name: str, fn: Callable, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor) -> dict:
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     weight = (torch.randn(CHANNELS, WIDTH, device="cuda") / WIDTH ** 0.5).bfloat16()
     impls = implementations(cu)
     with torch.no_grad():   # they agree before any of them is timed ([T, C] in channel order from either layout)
-        outs = {name: fn(x, weight, pos).transpose(0, 1).reshape(T, -1).float() for name, fn in impls.items()}
+        outs = {name: as_rows(fn(x, weight, pos)).float() for name, fn in impls.items()}
     for name, out in outs.items():
         err = ((out - outs["compiled"]).norm() / outs["compiled"].norm()).item()
         print(f"{name}: relative difference from the compiled reference {err:.2e}")
