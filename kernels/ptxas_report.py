@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of every KDA and short-convolution kernel config on sm_90, without a GPU.
+"""Registers, spills and shared memory of every KDA, short-convolution and AttnRes kernel config on sm_90, without a
+GPU.
 
     python -m kernels.ptxas_report [--head-dim 128] [--heads 16] [--stages 3]
 
@@ -20,21 +21,27 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
+from kernels.attn_res import mix
 from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
 from kernels.short_conv import conv
 
 HOPPER = GPUTarget("cuda", 90, 64)
-FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw"}
+FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw", "alpha"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
-SCALAR_ARGS = {"scale": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "CG": "i32", "stride_x": "i32"}
+SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "CG": "i32",
+               "stride_x": "i32"}
+TUPLE_ARGS = {"srcs": "*bf16", "dsrcs": "*bf16", "rms": "*fp32", "drms": "*fp32"}  # N pointers each
 
 
-def signature(fn: JITFunction, constants: dict) -> dict[str, str]:
-    """Argument types of a bf16 run (g float32), as the chunk_kda and short_conv_silu wrappers pass them."""
-    def kind(name: str) -> str:
+def signature(fn: JITFunction, constants: dict) -> dict[str, str | tuple[str, ...]]:
+    """Argument types of a bf16 run (g float32), as the chunk_kda, short_conv_silu and attn_res_mix wrappers pass
+    them."""
+    def kind(name: str) -> str | tuple[str, ...]:
         if name in constants:
             return "constexpr"
+        if name in TUPLE_ARGS:
+            return (TUPLE_ARGS[name],) * constants["N"]
         if name in SCALAR_ARGS:
             return SCALAR_ARGS[name]
         if name in INT64_ARGS:
@@ -90,6 +97,13 @@ def main(argv: list[str] | None = None) -> None:
                                                  (conv.short_conv_bwd_da_kernel, conv.DA_SPACE,
                                                   dict(W=4, WP=4, ROWS=conv.BWD_ROWS)),
                                                  (conv.short_conv_bwd_dx_kernel, conv.FWD_SPACE, dict(W=4))]
+                for meta, warps in space]
+    # The AttnRes mixture of ``small`` (d = 1024) over 9 sources, the most a sublayer mixes, with the norm.
+    mixture = dict(N=9, NP=16, D=1024, BD=1024, NORM=True)
+    configs += [(kernel, meta, warps, constants)
+                for kernel, space, constants in [(mix.attn_res_fwd_kernel, mix.FWD_SPACE, mixture),
+                                                 (mix.attn_res_bwd_kernel, mix.BWD_SPACE,
+                                                  mixture | dict(ROWS=mix.BWD_ROWS))]
                 for meta, warps in space]
     for kernel, meta, warps, constants in configs:
         print(report(kernel, constants, triton.Config(meta, num_warps=warps), args.stages), flush=True)

@@ -2,11 +2,13 @@
 decoder's MLA layers.
 
 Both pack many variable-length segments into one sequence to avoid padding. The mask is built once per forward from
-``cu_seqlens`` and shared by every layer. On CUDA it is a FlexAttention ``BlockMask``: blocks that cross a segment
-boundary (or lie above the diagonal when causal) are skipped, so cost and memory follow the segments, not the whole
-length squared. Elsewhere attention runs segment by segment with ``scaled_dot_product_attention`` on each slice
-(``is_causal`` inside a segment): exact, and its memory follows the longest segment, so a 64K-token pack of documents
-and a pack of dozens of images both fit a CPU.
+``cu_seqlens`` and shared by every layer. On CUDA there are two kernels for it, picked by ``LONGWEAVE_ATTENTION``
+(``varlen`` or ``flex``; unset: ``DEFAULT_CUDA_BACKEND``): PyTorch's variable-length flash attention
+(``torch.nn.attention.varlen``), which walks each segment's own tiles from ``cu_seqlens``, or FlexAttention with a
+``BlockMask`` in which blocks that cross a segment boundary (or lie above the diagonal when causal) are skipped. Either
+way cost and memory follow the segments, not the whole length squared. Elsewhere attention runs segment by segment
+with ``scaled_dot_product_attention`` on each slice (``is_causal`` inside a segment): exact, and its memory follows
+the longest segment, so a 64K-token pack of documents and a pack of dozens of images both fit a CPU.
 
 This lives in ``vision`` because the vision tower may not import ``trainer``; the decoder imports it from here.
 """
@@ -14,15 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["DocumentMask", "document_block_mask", "document_ids", "document_mask", "document_attention"]
+__all__ = ["DocumentMask", "document_block_mask", "document_ids", "document_mask", "document_attention",
+           "varlen_flash_attention"]
 
 TILE = 128  # FlexAttention's default block size, both ways
+BACKENDS = ("varlen", "flex")
+DEFAULT_CUDA_BACKEND = "flex"
 
 
 # Inductor says so each time it splits a long FlexAttention reduction (11 multi-line warnings in a 1M-token step's
@@ -84,40 +91,77 @@ def document_block_mask(cu_seqlens: torch.Tensor, doc: torch.Tensor, causal: boo
                                     mask_mod=mask_mod, seq_lengths=(total, total))
 
 
+def varlen_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           max_length: int, *, causal: bool, scale: float | None = None) -> torch.Tensor:
+    """Attention inside segments by PyTorch's variable-length flash kernels: q, k, v ``[T, H, D]`` (last dim
+    contiguous), ``cu_seqlens`` int32 ``[S+1]`` on their device, ``max_length`` the longest segment -> ``[T, H, D]``.
+    torch 2.9 spelled the causal mask ``is_causal``; later releases, ``window_size=(-1, 0)``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if "is_causal" in _varlen_parameters():
+        mask = dict(is_causal=causal)
+    else:
+        mask = dict(window_size=(-1, 0) if causal else (-1, -1))
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale, **mask)
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def cuda_backend() -> str:
+    """``LONGWEAVE_ATTENTION`` if set (one of ``BACKENDS``), else ``DEFAULT_CUDA_BACKEND``."""
+    name = os.environ.get("LONGWEAVE_ATTENTION", DEFAULT_CUDA_BACKEND)
+    if name not in BACKENDS:
+        raise ValueError(f"LONGWEAVE_ATTENTION: must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DocumentMask:
-    """Which keys each query may see: same segment (and not later, when ``causal``). ``block_mask`` is set on CUDA;
+    """Which keys each query may see: same segment (and not later, when ``causal``). On CUDA either ``block_mask``
+    (FlexAttention) or ``cu_seqlens`` (int32 on the device) and ``max_length`` (varlen flash attention) is set;
     elsewhere ``bounds`` lists the ``(start, end)`` of every segment for the per-segment path."""
 
     doc_ids: torch.Tensor
     causal: bool
     block_mask: BlockMask | None
     bounds: tuple[tuple[int, int], ...]
+    cu_seqlens: torch.Tensor | None = None
+    max_length: int = 0
 
     @property
     def length(self) -> int:
         return int(self.doc_ids.shape[0])
 
 
-def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, use_flex: bool | None = None,
+def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, backend: str | None = None,
                   device: torch.device | str | None = None) -> DocumentMask:
     """Mask on ``device`` (default: cu_seqlens') for a packed sequence of ``total`` positions split by ``cu_seqlens``
     (``cu_seqlens[-1] == total``).
 
-    ``cu_seqlens`` is checked (and the CPU path's bounds read) on the host: pass it on the CPU and nothing waits for
-    the GPU; a CUDA one costs one sync. ``use_flex`` defaults to "on CUDA"; the block mask is read off the segment
-    bounds (``document_block_mask``), so 1M-token masks stay cheap.
+    ``cu_seqlens`` is checked (and the CPU path's bounds and the longest segment read) on the host: pass it on the
+    CPU and nothing waits for the GPU; a CUDA one costs one sync. ``backend``: ``"varlen"``, ``"flex"`` or
+    ``"segments"`` (the per-segment path); default ``cuda_backend()`` on CUDA, ``"segments"`` elsewhere. The flex
+    block mask is read off the segment bounds (``document_block_mask``), so 1M-token masks stay cheap.
     """
     device = torch.device(cu_seqlens.device if device is None else device)
     _check_shape(cu_seqlens)
     cuts = cu_seqlens.tolist()
     if cuts[-1] != total or cuts[0] != 0:
         raise ValueError(f"cu_seqlens: must run from 0 to the sequence length {total}, got {cuts[0]} … {cuts[-1]}")
-    cu_device = cu_seqlens.to(device, non_blocking=True)
+    cu_device = cu_seqlens.to(device, torch.int32, non_blocking=True)
     doc = document_ids(cu_device, total)
-    if use_flex is None:
-        use_flex = doc.is_cuda
-    if use_flex:
+    if backend is None:
+        backend = cuda_backend() if doc.is_cuda else "segments"
+    if backend == "varlen":
+        longest = max(b - a for a, b in zip(cuts, cuts[1:]))
+        return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, bounds=(), cu_seqlens=cu_device,
+                            max_length=longest)
+    if backend == "flex":
         if causal:
             def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - FlexAttention's mask_mod protocol
                 return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
@@ -126,6 +170,8 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, use_fle
                 return doc[q_idx] == doc[kv_idx]
         block = document_block_mask(cu_device, doc, causal, mask_mod)
         return DocumentMask(doc_ids=doc, causal=causal, block_mask=block, bounds=())
+    if backend != "segments":
+        raise ValueError(f"document_mask: backend must be varlen, flex or segments, got {backend!r}")
     bounds = tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a)
     return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, bounds=bounds)
 
@@ -149,6 +195,10 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """Softmax attention inside segments. q, k ``[1, H, T, Dk]``, v ``[1, H, T, Dv]`` -> ``[1, H, T, Dv]``."""
     if q.shape[0] != 1 or q.shape[2] != mask.length:
         raise ValueError(f"q: expected [1, H, {mask.length}, D], got {tuple(q.shape)}")
+    if mask.cu_seqlens is not None:
+        rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, H, D]: the projections' own layout
+        out = varlen_flash_attention(*rows, mask.cu_seqlens, mask.max_length, causal=mask.causal, scale=scale)
+        return out.transpose(0, 1).unsqueeze(0)
     if mask.block_mask is not None:
         q, k, v = (compact_if_huge(t) for t in (q, k, v))
         return _compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, scale=scale)

@@ -17,12 +17,11 @@ and y written forward; x and dy read and dx written backward.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 
 import torch
-import triton
 
+from kernels.benchmarking import append_json_lines, fwd_bwd_times
 from kernels.short_conv import naive_short_conv_silu, short_conv_silu
 
 CHANNELS, WIDTH, JOINT = 3 * 1024, 4, 5256
@@ -53,15 +52,7 @@ def as_rows(y: torch.Tensor) -> torch.Tensor:
 def measure(name: str, fn: Callable, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor) -> dict:
     """Median forward and forward + backward times and rates."""
     x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
-    dy = torch.randn_like(fn(x, weight, pos))
-
-    def step() -> None:
-        fn(x, weight, pos).backward(dy)
-
-    step()
-    row = dict(impl=name, T=x.shape[0])
-    row["fwd_ms"] = triton.testing.do_bench(lambda: fn(x, weight, pos), return_mode="median")
-    row["fwdbwd_ms"] = triton.testing.do_bench(step, grad_to_none=[x, weight], return_mode="median")
+    row = dict(impl=name, T=x.shape[0]) | fwd_bwd_times(lambda: fn(x, weight, pos), [x, weight])
     size = x.numel() * x.element_size()
     row["fwd_TBps"] = 2 * size / row["fwd_ms"] / 1e9
     row["fwdbwd_TBps"] = 5 * size / row["fwdbwd_ms"] / 1e9
@@ -95,10 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['impl']:>10} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:8.3f} {r['fwd_TBps']:9.2f} {r['fwdbwd_TBps']:9.2f} "
               f"{r['fwdbwd_ms'] / base['fwdbwd_ms']:11.2f}x")
     print(f"ceiling: {PEAK_TBPS} TB/s device copy; T={T}, {args.docs} documents, {CHANNELS} channels, width {WIDTH}")
-    if args.json:
-        with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_json_lines(args.json, rows)
 
 
 if __name__ == "__main__":

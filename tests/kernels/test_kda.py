@@ -459,7 +459,7 @@ def test_intermediates_go_through_saved_tensor_hooks() -> None:
 @pytest.mark.skipif(not INTERPRET, reason="a CUDA machine measures instead (and may carry another Triton)")
 def test_ptxas_report_compiles_every_kernel_for_hopper() -> None:
     """The offline sm_90 report (its own process: the compiler, not the interpreter) covers the five KDA kernels
-    and the three short-convolution kernels, none of whose configs spills."""
+    the three short-convolution kernels and the two AttnRes ones; no short-convolution or AttnRes config spills."""
     import os
     import subprocess
 
@@ -469,6 +469,8 @@ def test_ptxas_report_compiles_every_kernel_for_hopper() -> None:
     kernels = {line.split()[0] for line in out.splitlines()}
     assert kernels == {"chunk_kda_fwd_intra_kernel", "chunk_kda_fwd_h_kernel", "chunk_kda_bwd_dh_kernel",
                        "chunk_kda_bwd_dA_kernel", "chunk_kda_bwd_dqkg_kernel", "short_conv_fwd_kernel",
-                       "short_conv_bwd_da_kernel", "short_conv_bwd_dx_kernel"}, out
+                       "short_conv_bwd_da_kernel", "short_conv_bwd_dx_kernel", "attn_res_fwd_kernel",
+                       "attn_res_bwd_kernel"}, out
     assert all("registers=" in line and "spilled stores/loads=" in line for line in out.splitlines())
-    assert all("spilled stores/loads=0/0 B" in line for line in out.splitlines() if line.startswith("short_conv")), out
+    assert all("spilled stores/loads=0/0 B" in line for line in out.splitlines()
+               if line.startswith(("short_conv", "attn_res"))), out

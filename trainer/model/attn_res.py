@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.attn_res import attn_res_mix
 from vision.fusion import cuda_compiled
 
-__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms", "mix_sources", "mix_and_norm"]
+__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,33 +40,6 @@ class ResidualState:
 def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """1/rms float32 ``[T]`` of x ``[T, d]`` without a float32 copy of ``x`` (the mean accumulates in float32)."""
     return torch.rsqrt((x * x).mean(-1, dtype=torch.float32) + eps)
-
-
-@cuda_compiled
-def mix_sources(sources: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor) -> torch.Tensor:
-    """``Σ_i softmax_i(w·RMSNorm(src_i)) src_i`` of sources ``[T, d]`` with their ``inv_rms`` float32 ``[T]``, for the
-    pseudo-query w ``[d]``; in the sources' dtype.
-
-    The sum accumulates in float32, yet (uncompiled) autograd keeps only the sources themselves (alive anyway) and the
-    weights ``[T, n_src]``: at 1M tokens a float32 copy of every source would cost 4 GiB each, per sublayer. On CUDA
-    the whole mixture (logits, softmax, weighted sum) compiles into one kernel forward and a few backward, instead of
-    about four launches per source each way."""
-    w = query.to(sources[0].dtype)
-    logits = torch.stack([(src @ w).float() * r for src, r in zip(sources, inv_rms)], dim=-1)  # [T, n_src]
-    alpha = torch.softmax(logits, dim=-1)
-    mixed = alpha[:, :1] * sources[0]  # float32
-    for i, src in enumerate(sources[1:], 1):
-        mixed = torch.addcmul(mixed, alpha[:, i:i + 1], src)
-    return mixed.to(sources[0].dtype)
-
-
-@cuda_compiled
-def mix_and_norm(sources: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor,
-                 weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm(mix_sources(...))`` with the norm's ``weight`` ``[d]``: a sublayer's input as it consumes it. On CUDA
-    the mixture and the norm compile together: the mixture is never written out and read back, and the norm runs
-    in the same kernels rather than PyTorch's RMSNorm ones (untimed on the H200 so far)."""
-    return F.rms_norm(mix_sources(sources, inv_rms, query), (weight.shape[0],), weight, eps)
 
 
 class StandardResiduals(nn.Module):
@@ -113,7 +86,7 @@ class BlockAttnRes(nn.Module):
         return sources, rms
 
     def _mix(self, state: ResidualState, query: torch.Tensor) -> torch.Tensor:
-        return mix_sources(*self._sources(state), query)
+        return attn_res_mix(*self._sources(state), query)
 
     def begin(self, embedding: torch.Tensor) -> ResidualState:
         return ResidualState(blocks=(embedding,), inv_rms=(self._inv_rms(embedding),), partial=None)
@@ -122,7 +95,10 @@ class BlockAttnRes(nn.Module):
         return self._mix(state, self.queries[index])
 
     def normed_input(self, state: ResidualState, index: int, norm: nn.RMSNorm) -> torch.Tensor:
-        return mix_and_norm(*self._sources(state), self.queries[index], norm.weight, norm.eps)
+        """The mixture and the sublayer's norm as one kernel on CUDA (``kernels.attn_res``)."""
+        sources, rms = self._sources(state)
+        eps = norm.eps if norm.eps is not None else torch.finfo(sources[0].dtype).eps  # F.rms_norm's default
+        return attn_res_mix(sources, rms, self.queries[index], norm.weight, eps)
 
     def add(self, state: ResidualState, index: int, value: torch.Tensor) -> ResidualState:
         partial = value if state.partial is None else state.partial + value

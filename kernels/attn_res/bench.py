@@ -1,0 +1,76 @@
+"""Benchmark the AttnRes mixture kernels beside what they replaced, on one GPU.
+
+    python -m kernels.attn_res.bench [--tokens 131072] [--width 1024] [--sources 9] [--json out.json]
+
+A last-block sublayer of ``small`` at the 8k stage: 9 sources of 131,072 × 1,024 in bf16, with and without the
+sublayer's fused RMSNorm. Implementations, forward + backward (gradients of every source, its inv_rms, the
+pseudo-query and the norm weight):
+
+- ``longweave``: ``kernels.attn_res`` (one launch each way);
+- ``compiled``: ``torch.compile`` of the reference, the model's path before the kernels;
+- ``eager``: the reference as it runs uncompiled.
+
+Times are medians of ``triton.testing.do_bench`` (CUDA events). Bytes are the unavoidable bf16 traffic: the sources
+read and the output written forward; the sources and dy read and every source's gradient written backward.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from kernels.attn_res import attn_res_mix, naive_attn_res_mix
+from kernels.benchmarking import append_json_lines, fwd_bwd_times
+
+PEAK_TBPS = 4.25   # measured H200 device-copy ceiling (DESIGN.md)
+
+
+def measure(name: str, fn: Callable, sources: list[torch.Tensor], rms: list[torch.Tensor], query: torch.Tensor,
+            weight: torch.Tensor | None) -> dict:
+    """Median forward and forward + backward times and rates."""
+    leaves = [s.detach().requires_grad_() for s in sources] + [r.detach().requires_grad_() for r in rms]
+    query = query.detach().requires_grad_()
+    weight = None if weight is None else weight.detach().requires_grad_()
+    n = len(sources)
+    params = leaves + [query] + ([] if weight is None else [weight])
+    row = dict(impl=name, norm=weight is not None, T=sources[0].shape[0], n=n) | fwd_bwd_times(
+        lambda: fn(leaves[:n], leaves[n:], query, weight, None if weight is None else 1e-6), params)
+    size = sources[0].numel() * sources[0].element_size()
+    row["fwd_TBps"] = (n + 1) * size / row["fwd_ms"] / 1e9
+    row["fwdbwd_TBps"] = (3 * n + 2) * size / row["fwdbwd_ms"] / 1e9
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=131072)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--sources", type=int, default=9)
+    parser.add_argument("--json", help="append one JSON line per implementation and case here")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    T, D, n = args.tokens, args.width, args.sources
+    sources = [(torch.randn(T, D, device="cuda") * (0.5 + i)).bfloat16() for i in range(n)]
+    rms = [torch.rsqrt((s.float() ** 2).mean(-1) + 1e-6) for s in sources]
+    query = torch.randn(D, device="cuda")
+    impls = {"longweave": attn_res_mix, "compiled": torch.compile(naive_attn_res_mix), "eager": naive_attn_res_mix}
+    rows = []
+    for weight in (None, 1 + 0.1 * torch.randn(D, device="cuda")):
+        with torch.no_grad():
+            eps = None if weight is None else 1e-6
+            ref = naive_attn_res_mix([s.float() for s in sources], rms, query, weight, eps)
+            err = (attn_res_mix(sources, rms, query, weight, eps).float() - ref).norm() / ref.norm()
+        print(f"norm={weight is not None}: longweave's relative error against the float32 reference {err.item():.2e}")
+        rows += [measure(name, fn, sources, rms, query, weight) for name, fn in impls.items()]
+    print(f"{'impl':>10} {'norm':>5} {'fwd ms':>8} {'f+b ms':>8} {'fwd TB/s':>9} {'f+b TB/s':>9} {'vs longweave':>13}")
+    for r in rows:
+        base = next(b for b in rows if b["impl"] == "longweave" and b["norm"] == r["norm"])
+        print(f"{r['impl']:>10} {r['norm']!s:>5} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:8.3f} {r['fwd_TBps']:9.2f} "
+              f"{r['fwdbwd_TBps']:9.2f} {r['fwdbwd_ms'] / base['fwdbwd_ms']:12.2f}x")
+    print(f"ceiling: {PEAK_TBPS} TB/s device copy; T={T}, d={D}, {n} sources")
+    append_json_lines(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The AttnRes mixture as one Triton kernel each way, the sublayer's RMSNorm fused in.
+
+Each sublayer of block AttnRes mixes up to ten sources ``[T, d]`` (the finished blocks and the open one). Compiled
+from PyTorch, the mixture read every source twice forward (Inductor split the reduction, so its online softmax was
+off: one pass for the logits, one for the weighted sum), and autograd's backward ran several kernels per source.
+Here the forward reads each source once (online softmax over the sources of a row, the norm on the row in
+registers) and writes the sublayer's input and the weights ``[T, n]``. The backward reads the sources twice (to
+rebuild the mixture for the norm's gradient, then for the weights' gradients) and writes every source's gradient
+once: the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before
+``ds`` does, so no third read is needed.
+
+Sources are passed as a tuple of tensors (Triton unrolls the loop over them): stacking them would copy all of them.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attn_res.naive import naive_attn_res_mix
+from kernels.tuning import configs
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_SOURCES, MAX_WIDTH = 16, 8192
+# Rows per backward program: its pseudo-query and norm-weight partials are one row [d] float32 per program each.
+BWD_ROWS = 64
+
+# Tiles that ptxas (sm_90, d = 1024, 9 sources) compiles without spills (`python -m kernels.ptxas_report`): the
+# unrolled loop over sources keeps several [BT, d] loads in flight. Forward BT 8 spilled with 8 and 16 warps; the
+# backward holds four [BT, d] float32 tiles and spilled at BT 2 with 4 warps and at anything with 16 (128 registers).
+FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4)]
+BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8)]
+
+
+@triton.jit
+def column(x, o_n, i):
+    """Column i of a [BT, NP] tile, as [BT]."""
+    return tl.sum(tl.where(o_n[None, :] == i, x, 0.), 1)
+
+
+@triton.autotune(configs=configs(FWD_SPACE), key=["N", "D", "NORM"])
+@triton.jit
+def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
+                        BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
+    """y = mixture (RMSNorm'ed with g if NORM) of BT rows; alpha: their softmax weights over the N sources."""
+    o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    o_d, o_n = tl.arange(0, BD), tl.arange(0, NP)
+    m_t, m_d = o_t < T, o_d < D
+    m = m_t[:, None] & m_d[None, :]
+    b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_max = tl.full([BT], float("-inf"), tl.float32)
+    b_sum = tl.zeros([BT], dtype=tl.float32)
+    b_acc = tl.zeros([BT, BD], dtype=tl.float32)
+    b_s = tl.zeros([BT, NP], dtype=tl.float32)
+    for i in tl.static_range(N):
+        b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+        s_i = tl.sum(b_x * b_w[None, :], 1) * tl.load(rms[i] + o_t, mask=m_t, other=0.)
+        new_max = tl.maximum(b_max, s_i)
+        scale, p = tl.exp(b_max - new_max), tl.exp(s_i - new_max)
+        b_acc = b_acc * scale[:, None] + p[:, None] * b_x
+        b_sum = b_sum * scale + p
+        b_max = new_max
+        b_s = tl.where(o_n[None, :] == i, s_i[:, None], b_s)
+    b_mix = b_acc / b_sum[:, None]
+    if NORM:
+        b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
+        b_mix = b_mix * b_rinv[:, None] * tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
+    tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
+    tl.store(alpha + o_t[:, None] * N + o_n[None, :], tl.exp(b_s - b_max[:, None]) / b_sum[:, None],
+             mask=m_t[:, None] & (o_n < N)[None, :])
+
+
+@triton.autotune(configs=configs(BWD_SPACE), key=["N", "D", "NORM"])
+@triton.jit
+def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps, N: tl.constexpr, NP: tl.constexpr,
+                        D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+                        BT: tl.constexpr):
+    """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
+    pseudo-query's gradient (dw) and of the norm weight's (dg)."""
+    i_p = tl.program_id(0)
+    o_d, o_n = tl.arange(0, BD), tl.arange(0, NP)
+    m_d = o_d < D
+    b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_g = tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_dw = tl.zeros([BD], dtype=tl.float32)
+    b_dg = tl.zeros([BD], dtype=tl.float32)
+    for r in range(ROWS // BT):
+        o_t = i_p.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        m = m_t[:, None] & m_d[None, :]
+        b_a = tl.load(alpha + o_t[:, None] * N + o_n[None, :], mask=m_t[:, None] & (o_n < N)[None, :], other=0.)
+        b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+        if NORM:  # the mixture again, for the norm's gradient
+            b_mix = tl.zeros([BT, BD], dtype=tl.float32)
+            for i in tl.static_range(N):
+                b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+                b_mix += column(b_a, o_n, i)[:, None] * b_x
+            b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
+            b_dg += tl.sum(b_dm * b_mix * b_rinv[:, None], 0)
+            b_gdy = b_dm * b_g[None, :]
+            b_c = b_rinv * b_rinv * b_rinv / D * tl.sum(b_gdy * b_mix, 1)
+            b_dm = b_rinv[:, None] * b_gdy - b_mix * b_c[:, None]
+        b_da = tl.zeros([BT, NP], dtype=tl.float32)   # dm · x_i
+        b_xw = tl.zeros([BT, NP], dtype=tl.float32)   # x_i · w
+        b_pw = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i da_i x_i
+        b_qw = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i x_i
+        for i in tl.static_range(N):
+            b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+            b_ar = column(b_a, o_n, i) * tl.load(rms[i] + o_t, mask=m_t, other=0.)
+            da_i = tl.sum(b_dm * b_x, 1)
+            b_da = tl.where(o_n[None, :] == i, da_i[:, None], b_da)
+            b_xw = tl.where(o_n[None, :] == i, tl.sum(b_x * b_w[None, :], 1)[:, None], b_xw)
+            b_pw += (b_ar * da_i)[:, None] * b_x
+            b_qw += b_ar[:, None] * b_x
+        b_c = tl.sum(b_a * b_da, 1)
+        b_ds = b_a * (b_da - b_c[:, None])   # the logits' gradient
+        b_dw += tl.sum(b_pw - b_c[:, None] * b_qw, 0)
+        for i in tl.static_range(N):
+            ds_i = column(b_ds, o_n, i)
+            b_r = tl.load(rms[i] + o_t, mask=m_t, other=0.)
+            b_dx = column(b_a, o_n, i)[:, None] * b_dm + (ds_i * b_r)[:, None] * b_w[None, :]
+            tl.store(dsrcs[i] + o_t[:, None] * D + o_d[None, :], b_dx.to(dsrcs[i].dtype.element_ty), mask=m)
+            tl.store(drms[i] + o_t, ds_i * column(b_xw, o_n, i), mask=m_t)
+    tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
+    if NORM:
+        tl.store(dg + i_p * D + o_d, b_dg, mask=m_d)
+
+
+class AttnResMix(torch.autograd.Function):
+    """Saves the sources and inv_rms (alive anyway) and the weights float32 ``[T, n]``; nothing of size ``[T, d]``."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, weight: torch.Tensor | None, eps: float, n: int,  # noqa: ANN001
+                *tensors: torch.Tensor) -> torch.Tensor:
+        sources, rms = tensors[:n], tensors[n:]
+        T, D = sources[0].shape
+        y = torch.empty_like(sources[0])
+        alpha = torch.empty(T, n, dtype=torch.float32, device=y.device)
+        norm = weight is not None
+        meta = dict(N=n, NP=triton.next_power_of_2(n), D=D, BD=triton.next_power_of_2(D), NORM=norm)
+        attn_res_fwd_kernel[lambda m: (triton.cdiv(T, m["BT"]),)](
+            sources, rms, query, weight if norm else query, y, alpha, T, eps, **meta)
+        ctx.save_for_backward(query, weight, alpha, *tensors)
+        ctx.meta, ctx.eps = meta, eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        query, weight, alpha, *tensors = ctx.saved_tensors
+        n = ctx.meta["N"]
+        sources, rms = tuple(tensors[:n]), tuple(tensors[n:])
+        T, D = sources[0].shape
+        programs = triton.cdiv(T, BWD_ROWS)
+        dsrcs = tuple(torch.empty_like(s) for s in sources)
+        drms = tuple(torch.empty_like(r) for r in rms)
+        dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
+        dg = torch.empty_like(dw) if weight is not None else dw
+        attn_res_bwd_kernel[(programs,)](
+            sources, rms, query, weight if weight is not None else query, alpha, dy.contiguous(), dsrcs, drms, dw,
+            dg, T, ctx.eps, ROWS=BWD_ROWS, **ctx.meta)
+        dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
+        return (dw.sum(0).to(query.dtype), dweight, None, None, *dsrcs, *drms)
+
+
+def attn_res_mix(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.Tensor], query: torch.Tensor,
+                 weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+    """``naive_attn_res_mix``'s result (the mixture of sources ``[T, d]``, RMSNorm'ed with ``weight`` if given) from
+    the Triton kernels on CUDA (and on the CPU under ``TRITON_INTERPRET=1``), from the reference elsewhere."""
+    n = len(sources)
+    if not 1 <= n <= MAX_SOURCES or len(inv_rms) != n:
+        raise ValueError(f"need 1..{MAX_SOURCES} sources and one inv_rms each, got {n} and {len(inv_rms)}")
+    T, D = sources[0].shape
+    if any(s.shape != (T, D) or s.dtype != sources[0].dtype for s in sources):
+        raise ValueError(f"sources must all be [T, d] = [{T}, {D}] of one dtype, got "
+                         f"{[(tuple(s.shape), s.dtype) for s in sources]}")
+    if any(r.shape != (T,) or r.dtype != torch.float32 for r in inv_rms):
+        raise ValueError(f"inv_rms must be float32 [T] = [{T}], got {[(tuple(r.shape), r.dtype) for r in inv_rms]}")
+    if query.shape != (D,) or (weight is not None and (weight.shape != (D,) or eps is None)):
+        raise ValueError(f"query and weight must be [{D}] (weight with its eps), got {tuple(query.shape)} and "
+                         f"{None if weight is None else tuple(weight.shape)}, eps {eps}")
+    if not (sources[0].is_cuda or INTERPRET) or D > MAX_WIDTH:
+        return naive_attn_res_mix(sources, inv_rms, query, weight, eps)
+    tensors = [s.contiguous() for s in sources] + [r.contiguous() for r in inv_rms]
+    return AttnResMix.apply(query, weight, 0.0 if eps is None else float(eps), n, *tensors)

@@ -1,0 +1,144 @@
+"""The AttnRes mixture kernels against the PyTorch reference, forward and every gradient (sources, their inv_rms, the
+pseudo-query, the norm weight), on fresh random inputs: one to many sources, widths that are not a power of two,
+rows over several backward programs, with and without the fused RMSNorm."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checks import fresh_seed, rel_err
+from interpreted import import_interpreted
+
+import_interpreted("kernels.attn_res")
+
+from kernels.attn_res import attn_res_mix, naive_attn_res_mix  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_case(T: int, D: int, n: int, norm: bool, dtype: torch.dtype = torch.float32) -> dict:
+    """Sources of different scales (so the weights are far from uniform), their inv_rms as independent leaves, a
+    random pseudo-query, and a norm weight if ``norm``."""
+    fresh_seed()
+    sources = [(torch.randn(T, D, device=DEVICE) * (0.5 + i)).to(dtype) for i in range(n)]
+    rms = [torch.rsqrt((s.float() ** 2).mean(-1) + 1e-6) for s in sources]
+    return dict(sources=sources, inv_rms=rms, query=torch.randn(D, device=DEVICE) * 2,
+                weight=(1 + 0.1 * torch.randn(D, device=DEVICE)) if norm else None, eps=1e-6 if norm else None)
+
+
+def compare(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict[str, float]]:
+    """Relative errors of the outputs whose reference is not zero; the largest magnitude of those whose reference is
+    (one source: its weight is 1 whatever the logits, so the logits' inputs get no gradient)."""
+    assert out.keys() == ref.keys()
+    zero = {k for k in ref if not bool(ref[k].abs().max() > 0)}
+    return ({k: rel_err(out[k], ref[k]) for k in ref if k not in zero},
+            {k: out[k].abs().max().item() for k in zero})
+
+
+def forward_backward(fn, case: dict, dy: torch.Tensor) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    leaves = {f"src{i}": s.detach().requires_grad_() for i, s in enumerate(case["sources"])}
+    leaves |= {f"rms{i}": r.detach().requires_grad_() for i, r in enumerate(case["inv_rms"])}
+    leaves["query"] = case["query"].detach().requires_grad_()
+    if case["weight"] is not None:
+        leaves["weight"] = case["weight"].detach().requires_grad_()
+    n = len(case["sources"])
+    y = fn([leaves[f"src{i}"] for i in range(n)], [leaves[f"rms{i}"] for i in range(n)], leaves["query"],
+           leaves.get("weight"), case["eps"])
+    y.backward(dy)
+    return {"y": y} | {f"d{name}": t.grad for name, t in leaves.items()}
+
+
+@pytest.mark.parametrize("T, D, n, norm", [
+    pytest.param(5, 32, 1, False, id="one-source"),
+    pytest.param(5, 32, 1, True, id="one-source-norm"),
+    pytest.param(70, 48, 3, True, id="width-48-norm"),
+    pytest.param(130, 64, 9, False, id="nine-sources-three-programs"),
+    pytest.param(130, 64, 10, True, id="ten-sources-norm-three-programs"),
+])
+def test_matches_reference(T: int, D: int, n: int, norm: bool) -> None:
+    case = make_case(T, D, n, norm)
+    dy = torch.randn(T, D, device=DEVICE)
+    ref = forward_backward(naive_attn_res_mix, case, dy)
+    out = forward_backward(attn_res_mix, case, dy)
+    errors, zeros = compare(out, ref)
+    # The pseudo-query's gradient is P − c·Q in float32, whose terms are of order 10 here: zero to about 1e-6.
+    assert max(errors.values()) <= 1e-5 and max(zeros.values(), default=0.0) <= 1e-4, (errors, zeros)
+    assert bool(zeros) == (n == 1), zeros
+
+
+def test_bf16_with_gpu_numerics(gpu_numerics: None) -> None:
+    """bf16 sources and output, float32 inside: within bf16's rounding of the float32 reference on the same inputs
+    (the reference rounds the mixture to bf16 before its norm; the kernel does not)."""
+    case = make_case(96, 64, 6, True, dtype=torch.bfloat16)
+    dy = torch.randn(96, 64, device=DEVICE).bfloat16()
+    wide = case | {"sources": [s.float() for s in case["sources"]]}
+    ref = forward_backward(naive_attn_res_mix, wide, dy.float())
+    out = forward_backward(attn_res_mix, case, dy)
+    assert out["y"].dtype == out["dsrc0"].dtype == torch.bfloat16 and out["drms0"].dtype == torch.float32
+    errors, zeros = compare(out, ref)
+    assert max(errors.values()) <= 1e-2 and not zeros, (errors, zeros)
+
+
+@pytest.mark.parametrize("change, match", [
+    pytest.param(dict(inv_rms=[]), r"need 1\.\.16 sources and one inv_rms each, got 2 and 0", id="inv-rms-count"),
+    pytest.param(dict(sources=[torch.randn(4, 8), torch.randn(4, 6)]), r"sources must all be \[T, d\] = \[4, 8\]",
+                 id="source-shape"),
+    pytest.param(dict(inv_rms=[torch.ones(4), torch.ones(4, dtype=torch.float64)]), r"inv_rms must be float32 \[T\]",
+                 id="inv-rms-dtype"),
+    pytest.param(dict(weight=torch.ones(8), eps=None), r"query and weight must be \[8\] \(weight with its eps\)",
+                 id="weight-without-eps"),
+])
+def test_bad_arguments_are_named(change: dict, match: str) -> None:
+    call = dict(sources=[torch.randn(4, 8), torch.randn(4, 8)], inv_rms=[torch.ones(4), torch.ones(4)],
+                query=torch.randn(8), weight=None, eps=None) | change
+    with pytest.raises(ValueError, match=match):
+        attn_res_mix(**call)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("norm", [False, True], ids=["mix", "mix-and-norm"])
+def test_gpu_bf16_at_the_small_models_shape(norm: bool) -> None:
+    """A last-block sublayer of ``small`` at the 8k stage: 9 sources of 131,072 × 1,024 in bf16."""
+    case = make_case(131072, 1024, 9, norm, dtype=torch.bfloat16)
+    dy = torch.randn(131072, 1024, device=DEVICE).bfloat16()
+    wide = case | {"sources": [s.float() for s in case["sources"]]}
+    ref = forward_backward(naive_attn_res_mix, wide, dy.float())
+    out = forward_backward(attn_res_mix, case, dy)
+    errors, zeros = compare(out, ref)
+    assert max(errors.values()) <= 1e-2 and not zeros, (errors, zeros)
+
+
+def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six sublayers in blocks of two through ``BlockAttnRes``, as the decoder drives it (each sublayer's normed
+    input from the fused kernel, the final output from the plain mixture), on the kernels against the same on the
+    reference: the output and the gradients of the embedding, the pseudo-queries, the norms and the sublayers."""
+    import trainer.model.attn_res as attn_res_module
+
+    fresh_seed()
+    T, d, n_sub = 50, 32, 6
+    residuals = attn_res_module.BlockAttnRes(d, n_sub, block_size=2).to(DEVICE)
+    with torch.no_grad():
+        residuals.queries.normal_()
+    norms = torch.nn.ModuleList(torch.nn.RMSNorm(d, eps=1e-6) for _ in range(n_sub)).to(DEVICE)
+    sublayers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n_sub)).to(DEVICE)
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.add_(0.1 * torch.randn(d, device=DEVICE))
+    embedding, dy = torch.randn(T, d, device=DEVICE), torch.randn(T, d, device=DEVICE)
+    modules = torch.nn.ModuleList([residuals, norms, sublayers])
+
+    def run(mix) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        monkeypatch.setattr(attn_res_module, "attn_res_mix", mix)
+        modules.zero_grad(set_to_none=True)
+        x = embedding.clone().requires_grad_()
+        state = residuals.begin(x)
+        for i in range(n_sub):
+            state = residuals.add(state, i, torch.tanh(sublayers[i](residuals.normed_input(state, i, norms[i]))))
+        out = residuals.output(state)
+        out.backward(dy)
+        return {"out": out, "dx": x.grad} | {name: p.grad for name, p in modules.named_parameters()}
+
+    ref, got = run(naive_attn_res_mix), run(attn_res_mix)
+    errors = {k: rel_err(got[k], ref[k]) for k in ref}
+    assert len(errors) == 2 + 1 + n_sub + 2 * n_sub and max(errors.values()) <= 1e-5, errors

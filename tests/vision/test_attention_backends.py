@@ -1,0 +1,56 @@
+"""Document attention's backends: the masks each builds, the errors for a backend that does not exist, and on the GPU
+the varlen flash kernels and FlexAttention against the per-segment reference, forward and gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vision.attention import BACKENDS, cuda_backend, document_attention, document_mask
+
+
+def test_varlen_mask_carries_device_bounds_and_the_longest_segment() -> None:
+    cu = torch.tensor([0, 5, 305, 306, 306, 506], dtype=torch.int64)
+    mask = document_mask(cu, 506, causal=True, backend="varlen", device="cpu")
+    assert mask.block_mask is None and mask.bounds == ()
+    assert mask.cu_seqlens.dtype == torch.int32 and mask.cu_seqlens.tolist() == cu.tolist()
+    assert mask.max_length == 300 and mask.length == 506
+
+
+def test_unknown_backends_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend must be varlen, flex or segments, got 'dense'"):
+        document_mask(cu, 4, causal=True, backend="dense", device="cpu")
+    monkeypatch.setenv("LONGWEAVE_ATTENTION", "sdpa")
+    with pytest.raises(ValueError, match=r"LONGWEAVE_ATTENTION: must be one of \('varlen', 'flex'\), got 'sdpa'"):
+        cuda_backend()
+    monkeypatch.setenv("LONGWEAVE_ATTENTION", "flex")
+    assert cuda_backend() == "flex"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_gpu_backends_match_the_segment_reference(backend: str, causal: bool) -> None:
+    """bf16 q, k, v ``[T, H, D]`` viewed ``[1, H, T, D]`` as the layers pass them, random segment lengths (empty and
+    one-token ones among them); output and every gradient within bf16 rounding of the float32 per-segment path."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [0, 1, *torch.randint(2, 1500, (6,), generator=gen).tolist(), 129]
+    T, H, D = sum(lengths), 4, 128
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    qkv = [torch.randn(T, H, D, generator=gen).cuda() for _ in range(3)]
+    dy = torch.randn(T, H, D, generator=gen).cuda()
+
+    def run(mask, dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: ANN001
+        leaves = [t.to(dtype).requires_grad_() for t in qkv]
+        out = document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in leaves), mask, scale=D ** -0.5)
+        out = out[0].transpose(0, 1)
+        out.backward(dy.to(dtype))
+        return [out.float()] + [t.grad.float() for t in leaves]
+
+    ref = run(document_mask(cu, T, causal=causal, backend="segments", device="cuda"), torch.float32)
+    got = run(document_mask(cu, T, causal=causal, backend=backend, device="cuda"), torch.bfloat16)
+    errors = [((g - r).norm() / r.norm()).item() for g, r in zip(got, ref)]
+    assert max(errors) <= 2e-2, errors
