@@ -182,7 +182,7 @@ INT32_EXTENT = 2**31
 def compact_if_huge(x: torch.Tensor, limit: int = INT32_EXTENT) -> torch.Tensor:
     """x itself, or a contiguous copy when the memory its view spans reaches ``limit`` elements.
 
-    The decoder hands FlexAttention column slices of a joint projection: at 1M tokens MLA's q spans
+    The decoder hands the attention kernels column slices of a joint projection: at 1M tokens MLA's q spans
     1M × 2560 = 2.7e9 elements, past what a Triton kernel's 32-bit offsets reach, while q alone holds 1.07e9.
     A FlexAttention build that picks 32-bit indexing from q's size rather than its span would read the wrong memory
     for the last fifth of the tokens; a compact copy cannot be misread, and costs one copy only at that length."""
@@ -195,12 +195,13 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """Softmax attention inside segments. q, k ``[1, H, T, Dk]``, v ``[1, H, T, Dv]`` -> ``[1, H, T, Dv]``."""
     if q.shape[0] != 1 or q.shape[2] != mask.length:
         raise ValueError(f"q: expected [1, H, {mask.length}, D], got {tuple(q.shape)}")
+    if mask.cu_seqlens is not None or mask.block_mask is not None:
+        q, k, v = (compact_if_huge(t) for t in (q, k, v))
     if mask.cu_seqlens is not None:
         rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, H, D]: the projections' own layout
         out = varlen_flash_attention(*rows, mask.cu_seqlens, mask.max_length, causal=mask.causal, scale=scale)
         return out.transpose(0, 1).unsqueeze(0)
     if mask.block_mask is not None:
-        q, k, v = (compact_if_huge(t) for t in (q, k, v))
         return _compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, scale=scale)
     return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=mask.causal,
                                                      scale=scale) for a, b in mask.bounds], dim=2)

@@ -5,7 +5,8 @@ CUDA path) beside PyTorch's variable-length flash attention (``torch.nn.attentio
 
 The default case is an MLA layer of ``small`` at the 8k stage: 131,072 tokens in 16 samples of 8,192, each sample cut
 into documents at random points (``--docs-per-sample`` on average), causal inside each document. ``--bidirectional
---heads 8 --head-dim 64 --sample 1024`` is the vision tower's case (images of 1,024 patches, no causal mask).
+--heads 8 --head-dim 64 --sample 392 --docs-per-sample 1`` is the vision tower's case (images of 392 patches, about
+the 8k stage's typical 98 image tokens before the 2 × 2 merge; no causal mask).
 
 FLOPs count each document's attention once: ``4 · H · D`` per visible (query, key) pair forward, 2.5 times that
 backward. Times are medians of ``triton.testing.do_bench`` (CUDA events).
