@@ -12,6 +12,10 @@ def test_kernel_names_fall_into_their_kinds() -> None:
     kinds = {
         "chunk_kda_bwd_dqkg_kernel": "kda", "l2norm_fwd_kernel": "kda",
         "triton_tem_fused_flex_attention_0": "attention",
+        # torch.nn.attention.varlen's kernels (FlashAttention-2 in ATen; cuDNN's for bidirectional segments)
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>": "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1": "attention",
         "grouped_mm_kernel": "expert gemm", "grouped_wgrad_kernel": "expert gemm",
         # torch._grouped_mm on sm_90 (name cut short); a plain CUTLASS GEMM stays dense
         "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_"

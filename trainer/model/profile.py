@@ -1,7 +1,7 @@
 """Where a training step of the model spends its time: ``torch.profiler`` over forward + backward on one GPU.
 
     python -m trainer.model.profile --preset small --seq-len 8192 [--steps 2] [--rows 40] [--csv kernels.csv]
-        [--recompute-layers N [N ...]] [--shapes]
+        [--recompute-layers N [N ...]] [--attention varlen flex] [--shapes]
 
 The 8k stage's micro-batch of 16 × 8,192 tokens is one packed sequence to the model: ``--seq-len 131072``.
 
@@ -11,12 +11,15 @@ eager elementwise, other), and the host-device synchronisations and device-to-ho
 launch queue), so the next optimisation targets a measured hot spot. When the CPU time per step exceeds the GPU
 time, the step is host-bound (launches, Python). ``--csv`` writes every kernel (bucket, calls and GPU ms per step).
 Several ``--recompute-layers`` values are a sweep in one process (the compiles are shared): the profile is of the
-first, then each further value gets its step time, MFU and peak memory, or "out of memory".
+first, then each further value gets its step time, MFU and peak memory, or "out of memory". Several ``--attention``
+backends likewise (``LONGWEAVE_ATTENTION``, read as each step builds its mask): the profile is of the first, each
+further one gets a plain-step line at the first recompute setting.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import re
 
 import torch
@@ -26,6 +29,7 @@ from trainer.model import LongweaveModel, preset
 from trainer.model.flops import mfu, training_flops
 from trainer.model.synthetic import IMAGE_GRIDS, synthetic_batch
 from trainer.model.timing import timed_forward_backward
+from vision.attention import BACKENDS, cuda_backend
 
 # What stalls the launch queue: explicit synchronisations and device-to-host copies. `aten::item` is not listed: most
 # of a step's calls read host tensors (block masks, chunk tables), 191 of them at 32K against 4 stream syncs.
@@ -96,7 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recompute-layers", type=int, nargs="+",
                         help="only the first N decoder layers recompute in the backward (0: none; default: the "
                              "preset's setting, every layer for small); several values: a sweep")
+    parser.add_argument("--attention", nargs="+", choices=BACKENDS,
+                        help="document attention kernels on CUDA (default: LONGWEAVE_ATTENTION or the module's "
+                             "default); several: the first is profiled, each further one timed")
     args = parser.parse_args(argv)
+    if args.attention:
+        os.environ["LONGWEAVE_ATTENTION"] = args.attention[0]
     torch.manual_seed(0)
     with torch.device("cuda"):
         config = preset(args.preset)
@@ -116,10 +125,13 @@ def main(argv: list[str] | None = None) -> None:
         n_loss = model(**batch).n_loss_tokens
     flops = training_flops(model.config, doc_lengths, IMAGE_GRIDS, n_loss_tokens=n_loss).total
 
+    def label() -> str:
+        return f"{cuda_backend()} attention, {config.recomputed_layers()} of {config.n_layers} layers recomputed"
+
     def plain_step() -> str:
         """Step time (the best of two, without the profiler's overhead), tokens/s, MFU and peak memory."""
         plain = min(step() for _ in range(2))
-        return (f"{config.recomputed_layers()} of {config.n_layers} layers recomputed: plain step {plain * 1e3:.0f} "
+        return (f"{label()}: plain step {plain * 1e3:.0f} "
                 f"ms, {args.seq_len / plain:,.0f} tokens/s, MFU {mfu(flops, plain):.1%}, peak "
                 f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
@@ -131,13 +143,16 @@ def main(argv: list[str] | None = None) -> None:
             writer = csv.writer(f)
             writer.writerow(["bucket", "kernel", "calls_per_step", "gpu_ms_per_step"])
             writer.writerows(kernel_rows(prof.key_averages(), args.steps))
-    for setting in sweep[1:]:
+    settings = [(setting, cuda_backend()) for setting in sweep[1:]]
+    settings += [(sweep[0], backend) for backend in (args.attention or [])[1:]]
+    for setting, backend in settings:
         config.checkpoint_layers = setting
+        os.environ["LONGWEAVE_ATTENTION"] = backend
         torch.cuda.reset_peak_memory_stats()
         try:
             line = plain_step()
         except torch.OutOfMemoryError:  # the traceback's tensors are freed once the handler has run
-            line = f"{config.recomputed_layers()} of {config.n_layers} layers recomputed: out of memory"
+            line = f"{label()}: out of memory"
         torch.cuda.empty_cache()
         print(f"{args.preset} seq_len={args.seq_len}, {line}", flush=True)
 
