@@ -32,23 +32,25 @@ def test_unknown_backends_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_gpu_backends_match_the_segment_reference(backend: str, causal: bool) -> None:
-    """bf16 q, k, v ``[T, H, D]`` viewed ``[1, H, T, D]`` as the layers pass them, random segment lengths (empty and
-    one-token ones among them); output and every gradient within bf16 rounding of the float32 per-segment path."""
+    """bf16 q, k, v ``[T, H, D]`` as the MLA layer hands them over (column slices of one joint projection, so rows
+    are strided) viewed ``[1, H, T, D]``; random segment lengths, empty and one-token ones among them; output and
+    the joint buffer's gradient within bf16 rounding of the float32 per-segment path."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed={seed}")
     gen = torch.Generator().manual_seed(seed)
     lengths = [0, 1, *torch.randint(2, 1500, (6,), generator=gen).tolist(), 129]
     T, H, D = sum(lengths), 4, 128
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    qkv = [torch.randn(T, H, D, generator=gen).cuda() for _ in range(3)]
+    joint = torch.randn(T, 3 * H * D + 64, generator=gen).cuda()
     dy = torch.randn(T, H, D, generator=gen).cuda()
 
     def run(mask, dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: ANN001
-        leaves = [t.to(dtype).requires_grad_() for t in qkv]
-        out = document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in leaves), mask, scale=D ** -0.5)
+        leaf = joint.to(dtype).requires_grad_()
+        q, k, v = (leaf[:, i * H * D:(i + 1) * H * D].view(T, H, D) for i in range(3))
+        out = document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), mask, scale=D ** -0.5)
         out = out[0].transpose(0, 1)
         out.backward(dy.to(dtype))
-        return [out.float()] + [t.grad.float() for t in leaves]
+        return [out.float(), leaf.grad.float()]
 
     ref = run(document_mask(cu, T, causal=causal, backend="segments", device="cuda"), torch.float32)
     got = run(document_mask(cu, T, causal=causal, backend=backend, device="cuda"), torch.bfloat16)
