@@ -50,9 +50,9 @@ def signature(fn: JITFunction, constants: dict) -> dict[str, str | tuple[str, ..
     return {name: kind(name) for name in fn.arg_names}
 
 
-def report(kernel: triton.runtime.Autotuner, constants: dict, config: triton.Config, stages: int) -> str:
+def report(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, config: triton.Config, stages: int) -> str:
     """One line: the kernel, its config and what ptxas says of it."""
-    fn = kernel.fn
+    fn = kernel
     while not isinstance(fn, JITFunction):
         fn = fn.fn
     constants = constants | config.kwargs
@@ -98,12 +98,13 @@ def main(argv: list[str] | None = None) -> None:
                                                   dict(W=4, WP=4, ROWS=conv.BWD_ROWS)),
                                                  (conv.short_conv_bwd_dx_kernel, conv.FWD_SPACE, dict(W=4))]
                 for meta, warps in space]
-    # The AttnRes mixture of ``small`` (d = 1024) over 9 sources, the most a sublayer mixes, with the norm.
+    # The AttnRes mixture of ``small`` (d = 1024) over 9 sources, the most a sublayer mixes, with the norm; the
+    # backward adding into the 8 finished blocks' gradients.
     mixture = dict(N=9, NP=16, D=1024, BD=1024, NORM=True)
     configs += [(kernel, meta, warps, constants)
                 for kernel, space, constants in [(mix.attn_res_fwd_kernel, mix.FWD_SPACE, mixture),
-                                                 (mix.attn_res_bwd_kernel, mix.BWD_SPACE,
-                                                  mixture | dict(ROWS=mix.BWD_ROWS))]
+                                                 (mix.attn_res_bwd_kernel, [mix.BWD_CONFIG],
+                                                  mixture | dict(ROWS=mix.BWD_ROWS, ACC=(1 << 8) - 1))]
                 for meta, warps in space]
     for kernel, meta, warps, constants in configs:
         print(report(kernel, constants, triton.Config(meta, num_warps=warps), args.stages), flush=True)

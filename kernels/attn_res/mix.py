@@ -9,6 +9,12 @@ rebuild the mixture for the norm's gradient, then for the weights' gradients) an
 once: the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before
 ``ds`` does, so no third read is needed.
 
+A finished block is a source of every later sublayer. Left to autograd, each of those mixtures' backward writes a
+fresh ``[T, d]`` gradient for it and autograd adds it into the block's running sum (read two, write one). A source
+passed through ``sinked(x, sink)`` instead has its gradient added in place by the backward kernel into
+``sink.grad`` (read one, write one, no extra launch), and the ``sinked`` node hands the sum to autograd once, after
+every mixture that read the block has run its backward (autograd's order: they all depend on it).
+
 Sources are passed as a tuple of tensors (Triton unrolls the loop over them): stacking them would copy all of them.
 """
 from __future__ import annotations
@@ -31,8 +37,9 @@ BWD_ROWS = 64
 # Tiles that ptxas (sm_90, d = 1024, 9 sources) compiles without spills (`python -m kernels.ptxas_report`): the
 # unrolled loop over sources keeps several [BT, d] loads in flight. Forward BT 8 spilled with 8 and 16 warps; the
 # backward holds four [BT, d] float32 tiles and spilled at BT 2 with 4 warps and at anything with 16 (128 registers).
+# The backward is not autotuned: it adds into sinked sources' gradients in place, so a tuning run would add twice.
 FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4)]
-BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8)]
+BWD_CONFIG = ({"BT": 2}, 8)
 
 
 @triton.jit
@@ -73,13 +80,13 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: 
              mask=m_t[:, None] & (o_n < N)[None, :])
 
 
-@triton.autotune(configs=configs(BWD_SPACE), key=["N", "D", "NORM"])
 @triton.jit
 def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps, N: tl.constexpr, NP: tl.constexpr,
-                        D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
-                        BT: tl.constexpr):
+                        D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
+                        ROWS: tl.constexpr, BT: tl.constexpr):
     """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
-    pseudo-query's gradient (dw) and of the norm weight's (dg)."""
+    pseudo-query's gradient (dw) and of the norm weight's (dg). Source i's gradient is added into ``dsrcs[i]`` when
+    bit i of ACC is set, written over it otherwise."""
     i_p = tl.program_id(0)
     o_d, o_n = tl.arange(0, BD), tl.arange(0, NP)
     m_d = o_d < D
@@ -122,6 +129,8 @@ def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps,
             ds_i = column(b_ds, o_n, i)
             b_r = tl.load(rms[i] + o_t, mask=m_t, other=0.)
             b_dx = column(b_a, o_n, i)[:, None] * b_dm + (ds_i * b_r)[:, None] * b_w[None, :]
+            if (ACC >> i) & 1:
+                b_dx += tl.load(dsrcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
             tl.store(dsrcs[i] + o_t[:, None] * D + o_d[None, :], b_dx.to(dsrcs[i].dtype.element_ty), mask=m)
             tl.store(drms[i] + o_t, ds_i * column(b_xw, o_n, i), mask=m_t)
     tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
@@ -129,12 +138,46 @@ def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps,
         tl.store(dg + i_p * D + o_d, b_dg, mask=m_d)
 
 
+class GradSink:
+    """The gradient of one source that many mixtures read, summed in place by their backward kernels."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+
+class Sinked(torch.autograd.Function):
+    """Identity forward; backward hands on ``sink.grad`` (plus whatever reached it through autograd) once every
+    consumer's backward has added into it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sink: GradSink) -> torch.Tensor:  # noqa: ANN001
+        ctx.sink = sink
+        ctx.set_materialize_grads(False)  # consumers that added into the sink give autograd nothing: no zeros
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:  # noqa: ANN001
+        total, ctx.sink.grad = ctx.sink.grad, None
+        if total is None or grad is None:
+            return (grad if total is None else total), None
+        return total + grad, None
+
+
+def sinked(x: torch.Tensor, sink: GradSink) -> torch.Tensor:
+    """x, whose gradient from ``attn_res_mix`` calls given ``sink`` for it is summed in ``sink`` (see the module
+    docstring); any other consumer's gradient still flows through autograd."""
+    return Sinked.apply(x, sink)
+
+
 class AttnResMix(torch.autograd.Function):
     """Saves the sources and inv_rms (alive anyway) and the weights float32 ``[T, n]``; nothing of size ``[T, d]``."""
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, weight: torch.Tensor | None, eps: float, n: int,  # noqa: ANN001
-                *tensors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, query: torch.Tensor, weight: torch.Tensor | None, eps: float,  # noqa: ANN001
+                sinks: tuple[GradSink | None, ...], *tensors: torch.Tensor) -> torch.Tensor:
+        n = len(sinks)
         sources, rms = tensors[:n], tensors[n:]
         T, D = sources[0].shape
         y = torch.empty_like(sources[0])
@@ -144,7 +187,7 @@ class AttnResMix(torch.autograd.Function):
         attn_res_fwd_kernel[lambda m: (triton.cdiv(T, m["BT"]),)](
             sources, rms, query, weight if norm else query, y, alpha, T, eps, **meta)
         ctx.save_for_backward(query, weight, alpha, *tensors)
-        ctx.meta, ctx.eps = meta, eps
+        ctx.meta, ctx.eps, ctx.sinks = meta, eps, sinks
         return y
 
     @staticmethod
@@ -154,21 +197,32 @@ class AttnResMix(torch.autograd.Function):
         sources, rms = tuple(tensors[:n]), tuple(tensors[n:])
         T, D = sources[0].shape
         programs = triton.cdiv(T, BWD_ROWS)
-        dsrcs = tuple(torch.empty_like(s) for s in sources)
+        dsrcs, accumulate = [], 0
+        for i, (source, sink) in enumerate(zip(sources, ctx.sinks)):
+            if sink is not None and sink.grad is not None:
+                accumulate |= 1 << i
+            elif sink is not None:
+                sink.grad = torch.empty_like(source)
+            dsrcs.append(torch.empty_like(source) if sink is None else sink.grad)
         drms = tuple(torch.empty_like(r) for r in rms)
         dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
         dg = torch.empty_like(dw) if weight is not None else dw
+        meta, warps = BWD_CONFIG
         attn_res_bwd_kernel[(programs,)](
-            sources, rms, query, weight if weight is not None else query, alpha, dy.contiguous(), dsrcs, drms, dw,
-            dg, T, ctx.eps, ROWS=BWD_ROWS, **ctx.meta)
+            sources, rms, query, weight if weight is not None else query, alpha, dy.contiguous(), tuple(dsrcs),
+            drms, dw, dg, T, ctx.eps, ACC=accumulate, ROWS=BWD_ROWS, **ctx.meta, **meta, num_warps=warps)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
-        return (dw.sum(0).to(query.dtype), dweight, None, None, *dsrcs, *drms)
+        dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
+        return (dw.sum(0).to(query.dtype), dweight, None, None, *dsources, *drms)
 
 
 def attn_res_mix(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.Tensor], query: torch.Tensor,
-                 weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+                 weight: torch.Tensor | None = None, eps: float | None = None,
+                 sinks: Sequence[GradSink | None] | None = None) -> torch.Tensor:
     """``naive_attn_res_mix``'s result (the mixture of sources ``[T, d]``, RMSNorm'ed with ``weight`` if given) from
-    the Triton kernels on CUDA (and on the CPU under ``TRITON_INTERPRET=1``), from the reference elsewhere."""
+    the Triton kernels on CUDA (and on the CPU under ``TRITON_INTERPRET=1``), from the reference elsewhere.
+    ``sinks``: per source, the ``GradSink`` it was ``sinked`` with (its gradient is added there in place), or None
+    (its gradient goes to autograd); the reference path gives every gradient to autograd, which is the same sum."""
     n = len(sources)
     if not 1 <= n <= MAX_SOURCES or len(inv_rms) != n:
         raise ValueError(f"need 1..{MAX_SOURCES} sources and one inv_rms each, got {n} and {len(inv_rms)}")
@@ -178,10 +232,15 @@ def attn_res_mix(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.Tensor
                          f"{[(tuple(s.shape), s.dtype) for s in sources]}")
     if any(r.shape != (T,) or r.dtype != torch.float32 for r in inv_rms):
         raise ValueError(f"inv_rms must be float32 [T] = [{T}], got {[(tuple(r.shape), r.dtype) for r in inv_rms]}")
+    sinks = (None,) * n if sinks is None else tuple(sinks)
+    if len(sinks) != n:
+        raise ValueError(f"sinks: need one per source (a GradSink or None), got {len(sinks)} for {n} sources")
     if query.shape != (D,) or (weight is not None and (weight.shape != (D,) or eps is None)):
         raise ValueError(f"query and weight must be [{D}] (weight with its eps), got {tuple(query.shape)} and "
                          f"{None if weight is None else tuple(weight.shape)}, eps {eps}")
     if not (sources[0].is_cuda or INTERPRET) or D > MAX_WIDTH:
         return naive_attn_res_mix(sources, inv_rms, query, weight, eps)
+    if any(sink is not None and not s.is_contiguous() for s, sink in zip(sources, sinks)):
+        raise ValueError("sinks: a sinked source must be contiguous (its gradient is summed in place in its layout)")
     tensors = [s.contiguous() for s in sources] + [r.contiguous() for r in inv_rms]
-    return AttnResMix.apply(query, weight, 0.0 if eps is None else float(eps), n, *tensors)
+    return AttnResMix.apply(query, weight, 0.0 if eps is None else float(eps), sinks, *tensors)

@@ -11,7 +11,7 @@ from interpreted import import_interpreted
 
 import_interpreted("kernels.attn_res")
 
-from kernels.attn_res import attn_res_mix, naive_attn_res_mix  # noqa: E402
+from kernels.attn_res import GradSink, attn_res_mix, naive_attn_res_mix, sinked  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -70,6 +70,36 @@ def test_matches_reference(T: int, D: int, n: int, norm: bool) -> None:
     assert bool(zeros) == (n == 1), zeros
 
 
+def test_sinked_sources_sum_their_gradients_in_place() -> None:
+    """Two mixtures share two sinked sources (one of which another op also reads) and a plain one: the first
+    backward writes each sink, the second adds into it, the sinked node hands the sum on once; every leaf's gradient
+    equals the reference's in float64, and the sinks are empty afterwards."""
+    fresh_seed()
+    T, D = 130, 64
+    case = make_case(T, D, 3, True)
+    dys = [torch.randn(T, D, device=DEVICE) for _ in range(2)]
+    w2, c = torch.randn(D, device=DEVICE), torch.randn(T, D, device=DEVICE)
+
+    def run(mix, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[GradSink]]:  # noqa: ANN001
+        leaves = [x.to(dtype).requires_grad_() for x in case["sources"]]
+        query, weight = case["query"].to(dtype).requires_grad_(), case["weight"].to(dtype).requires_grad_()
+        sinks = [GradSink(), GradSink()]
+        sources = [sinked(leaves[0] * 1, sinks[0]), sinked(leaves[1] * 1, sinks[1]), leaves[2]]
+        rms = [r.to(dtype) for r in case["inv_rms"]] if dtype == torch.float64 else case["inv_rms"]
+        y1 = mix(sources, rms, query, weight, 1e-6, sinks=[*sinks, None])
+        y2 = mix(sources[:2], rms[:2], w2.to(dtype), sinks=sinks)
+        loss = (y1 * dys[0].to(dtype)).sum() + (y2 * dys[1].to(dtype)).sum() + (sources[0] * c.to(dtype)).sum()
+        loss.backward()
+        grads = {f"dsrc{i}": x.grad for i, x in enumerate(leaves)} | {"dquery": query.grad, "dweight": weight.grad}
+        return grads, sinks
+
+    ref, _ = run(naive_attn_res_mix, torch.float64)
+    got, sinks = run(attn_res_mix, torch.float32)
+    errors = {k: rel_err(got[k], ref[k]) for k in ref}
+    assert max(errors.values()) <= 5e-5, errors
+    assert all(sink.grad is None for sink in sinks)
+
+
 def test_bf16_with_gpu_numerics(gpu_numerics: None) -> None:
     """bf16 sources and output, float32 inside: within bf16's rounding of the float32 reference on the same inputs
     (the reference rounds the mixture to bf16 before its norm; the kernel does not)."""
@@ -91,10 +121,12 @@ def test_bf16_with_gpu_numerics(gpu_numerics: None) -> None:
                  id="inv-rms-dtype"),
     pytest.param(dict(weight=torch.ones(8), eps=None), r"query and weight must be \[8\] \(weight with its eps\)",
                  id="weight-without-eps"),
+    pytest.param(dict(sinks=[None]), r"sinks: need one per source \(a GradSink or None\), got 1 for 2 sources",
+                 id="sink-count"),
 ])
 def test_bad_arguments_are_named(change: dict, match: str) -> None:
     call = dict(sources=[torch.randn(4, 8), torch.randn(4, 8)], inv_rms=[torch.ones(4), torch.ones(4)],
-                query=torch.randn(8), weight=None, eps=None) | change
+                query=torch.randn(8), weight=None, eps=None, sinks=None) | change
     with pytest.raises(ValueError, match=match):
         attn_res_mix(**call)
 
@@ -113,11 +145,15 @@ def test_gpu_bf16_at_the_small_models_shape(norm: bool) -> None:
     assert max(errors.values()) <= 1e-2 and not zeros, (errors, zeros)
 
 
-def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:
     """Six sublayers in blocks of two through ``BlockAttnRes``, as the decoder drives it (each sublayer's normed
-    input from the fused kernel, the final output from the plain mixture), on the kernels against the same on the
-    reference: the output and the gradients of the embedding, the pseudo-queries, the norms and the sublayers."""
+    input from the fused kernel, the final output from the plain mixture, pairs of sublayers as layers, recomputed
+    in the backward as the decoder's checkpointed layers are), on the kernels (finished blocks' gradients summed in
+    their sinks) against the same on the reference: the output and the gradients of the embedding, the
+    pseudo-queries, the norms and the sublayers."""
     import trainer.model.attn_res as attn_res_module
+    from torch.utils.checkpoint import checkpoint
 
     fresh_seed()
     T, d, n_sub = 50, 32, 6
@@ -132,13 +168,18 @@ def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest
     embedding, dy = torch.randn(T, d, device=DEVICE), torch.randn(T, d, device=DEVICE)
     modules = torch.nn.ModuleList([residuals, norms, sublayers])
 
+    def layer(state, j: int):  # noqa: ANN001, ANN202 - a ResidualState each way
+        for i in (2 * j, 2 * j + 1):
+            state = residuals.add(state, i, torch.tanh(sublayers[i](residuals.normed_input(state, i, norms[i]))))
+        return state
+
     def run(mix) -> dict[str, torch.Tensor]:  # noqa: ANN001
         monkeypatch.setattr(attn_res_module, "attn_res_mix", mix)
         modules.zero_grad(set_to_none=True)
         x = embedding.clone().requires_grad_()
         state = residuals.begin(x)
-        for i in range(n_sub):
-            state = residuals.add(state, i, torch.tanh(sublayers[i](residuals.normed_input(state, i, norms[i]))))
+        for j in range(n_sub // 2):
+            state = checkpoint(layer, state, j, use_reentrant=False) if recompute else layer(state, j)
         out = residuals.output(state)
         out.backward(dy)
         return {"out": out, "dx": x.grad} | {name: p.grad for name, p in modules.named_parameters()}

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from kernels.attn_res import attn_res_mix
+from kernels.attn_res import GradSink, attn_res_mix, sinked
 from vision.fusion import cuda_compiled
 
 __all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms"]
@@ -28,12 +28,14 @@ __all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms"]
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResidualState:
     """Between sublayers. ``blocks``: finished sources ``[T, d]`` (AttnRes), with ``inv_rms`` float32 ``[T]`` of each
-    cached (their RMSNorm is needed by every later sublayer); ``partial``: the running sum (the whole residual stream
-    for standard residuals, the open block for AttnRes; None when no block is open)."""
+    cached (their RMSNorm is needed by every later sublayer) and the ``GradSink`` each is ``sinked`` with (every later
+    sublayer's mixture adds its gradient there in place); ``partial``: the running sum (the whole residual stream for
+    standard residuals, the open block for AttnRes; None when no block is open)."""
 
     blocks: tuple[torch.Tensor, ...]
     inv_rms: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
+    sinks: tuple[GradSink, ...] = ()
 
 
 @cuda_compiled
@@ -78,34 +80,44 @@ class BlockAttnRes(nn.Module):
     def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
         return inv_rms(x, self.eps)
 
-    def _sources(self, state: ResidualState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _sources(self, state: ResidualState) -> tuple[list[torch.Tensor], list[torch.Tensor], list[GradSink | None]]:
+        """The finished blocks and the open one, their inv_rms, and their sinks (none for the open one)."""
         sources, rms = list(state.blocks), list(state.inv_rms)
+        sinks: list[GradSink | None] = list(state.sinks)
         if state.partial is not None:
             sources.append(state.partial)
             rms.append(self._inv_rms(state.partial))
-        return sources, rms
+            sinks.append(None)
+        return sources, rms, sinks
 
     def _mix(self, state: ResidualState, query: torch.Tensor) -> torch.Tensor:
-        return attn_res_mix(*self._sources(state), query)
+        sources, rms, sinks = self._sources(state)
+        return attn_res_mix(sources, rms, query, sinks=sinks)
+
+    def _finished(self, state: ResidualState, block: torch.Tensor) -> ResidualState:
+        """``state`` with ``block`` appended to the finished ones (through a fresh sink) and no block open."""
+        sink = GradSink()
+        block = sinked(block.contiguous(), sink)
+        return ResidualState(blocks=state.blocks + (block,), inv_rms=state.inv_rms + (self._inv_rms(block),),
+                             partial=None, sinks=state.sinks + (sink,))
 
     def begin(self, embedding: torch.Tensor) -> ResidualState:
-        return ResidualState(blocks=(embedding,), inv_rms=(self._inv_rms(embedding),), partial=None)
+        return self._finished(ResidualState(blocks=(), inv_rms=(), partial=None), embedding)
 
     def sublayer_input(self, state: ResidualState, index: int) -> torch.Tensor:
         return self._mix(state, self.queries[index])
 
     def normed_input(self, state: ResidualState, index: int, norm: nn.RMSNorm) -> torch.Tensor:
         """The mixture and the sublayer's norm as one kernel on CUDA (``kernels.attn_res``)."""
-        sources, rms = self._sources(state)
+        sources, rms, sinks = self._sources(state)
         eps = norm.eps if norm.eps is not None else torch.finfo(sources[0].dtype).eps  # F.rms_norm's default
-        return attn_res_mix(sources, rms, self.queries[index], norm.weight, eps)
+        return attn_res_mix(sources, rms, self.queries[index], norm.weight, eps, sinks=sinks)
 
     def add(self, state: ResidualState, index: int, value: torch.Tensor) -> ResidualState:
         partial = value if state.partial is None else state.partial + value
         if (index + 1) % self.block_size:
-            return ResidualState(blocks=state.blocks, inv_rms=state.inv_rms, partial=partial)
-        return ResidualState(blocks=state.blocks + (partial,), inv_rms=state.inv_rms + (self._inv_rms(partial),),
-                             partial=None)
+            return dataclasses.replace(state, partial=partial)
+        return self._finished(state, partial)
 
     def output(self, state: ResidualState) -> torch.Tensor:
         return self._mix(state, self.queries[self.n_sublayers])
