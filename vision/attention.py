@@ -149,6 +149,8 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, backend
     block mask is read off the segment bounds (``document_block_mask``), so 1M-token masks stay cheap.
     """
     device = torch.device(cu_seqlens.device if device is None else device)
+    if backend is not None and backend not in (*BACKENDS, "segments"):
+        raise ValueError(f"document_mask: backend must be varlen, flex or segments, got {backend!r}")
     _check_shape(cu_seqlens)
     cuts = cu_seqlens.tolist()
     if cuts[-1] != total or cuts[0] != 0:
@@ -170,8 +172,6 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, backend
                 return doc[q_idx] == doc[kv_idx]
         block = document_block_mask(cu_device, doc, causal, mask_mod)
         return DocumentMask(doc_ids=doc, causal=causal, block_mask=block, bounds=())
-    if backend != "segments":
-        raise ValueError(f"document_mask: backend must be varlen, flex or segments, got {backend!r}")
     bounds = tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a)
     return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, bounds=bounds)
 
