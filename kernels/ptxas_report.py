@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     mixture = dict(N=9, NP=16, D=1024, BD=1024, NORM=True)
     configs += [(kernel, meta, warps, constants)
                 for kernel, space, constants in [(mix.attn_res_fwd_kernel, mix.FWD_SPACE, mixture),
-                                                 (mix.attn_res_bwd_kernel, [mix.BWD_CONFIG],
+                                                 (mix.attn_res_bwd_kernel, mix.BWD_SPACE,
                                                   mixture | dict(ROWS=mix.BWD_ROWS, ACC=(1 << 8) - 1))]
                 for meta, warps in space]
     for kernel, meta, warps, constants in configs:

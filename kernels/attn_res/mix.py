@@ -36,10 +36,31 @@ BWD_ROWS = 64
 
 # Tiles that ptxas (sm_90, d = 1024, 9 sources) compiles without spills (`python -m kernels.ptxas_report`): the
 # unrolled loop over sources keeps several [BT, d] loads in flight. Forward BT 8 spilled with 8 and 16 warps; the
-# backward holds four [BT, d] float32 tiles and spilled at BT 2 with 4 warps and at anything with 16 (128 registers).
-# The backward is not autotuned: it adds into sinked sources' gradients in place, so a tuning run would add twice.
+# backward (unrolled over sources, 227-255 registers) spilled nothing only at BT 1 and 2 with 8 warps, under 200 B
+# per thread at BT 1 with 4 and 16. It ran at 0.94 TB/s at BT 2 with 8 warps on the H200 (one block of 8 warps per
+# SM), so it is tuned too; its tuning runs restore the sinked gradients it adds into (``_snapshot_sums``).
 FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4)]
-BWD_CONFIG = ({"BT": 2}, 8)
+BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 4), ({"BT": 1}, 16)]
+
+
+class _SumsSnapshot:
+    """The autotuner's hooks for the backward: the gradients it adds into (bit i of ACC set) copied before each
+    tuning run and put back after it, so tuning leaves every sum as one run would."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def before(self, kwargs: dict, reset_only: bool = False) -> None:
+        if not reset_only:
+            self.saved = [(d, d.clone()) for i, d in enumerate(kwargs["dsrcs"]) if (kwargs["ACC"] >> i) & 1]
+
+    def after(self, kwargs: dict, exception: BaseException | None) -> None:  # noqa: ARG002 - the hook's protocol
+        for d, copy in self.saved:
+            d.copy_(copy)
+        self.saved = []
+
+
+_snapshot_sums = _SumsSnapshot()
 
 
 @triton.jit
@@ -80,6 +101,8 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: 
              mask=m_t[:, None] & (o_n < N)[None, :])
 
 
+@triton.autotune(configs=configs(BWD_SPACE), key=["N", "D", "NORM"], pre_hook=_snapshot_sums.before,
+                 post_hook=_snapshot_sums.after)
 @triton.jit
 def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps, N: tl.constexpr, NP: tl.constexpr,
                         D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
@@ -207,10 +230,9 @@ class AttnResMix(torch.autograd.Function):
         drms = tuple(torch.empty_like(r) for r in rms)
         dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
         dg = torch.empty_like(dw) if weight is not None else dw
-        meta, warps = BWD_CONFIG
         attn_res_bwd_kernel[(programs,)](
             sources, rms, query, weight if weight is not None else query, alpha, dy.contiguous(), tuple(dsrcs),
-            drms, dw, dg, T, ctx.eps, ACC=accumulate, ROWS=BWD_ROWS, **ctx.meta, **meta, num_warps=warps)
+            drms, dw, dg, T, ctx.eps, ACC=accumulate, ROWS=BWD_ROWS, **ctx.meta)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
         dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
         return (dw.sum(0).to(query.dtype), dweight, None, None, *dsources, *drms)

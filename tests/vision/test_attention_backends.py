@@ -45,7 +45,7 @@ def test_gpu_backends_match_the_segment_reference(backend: str, causal: bool) ->
     dy = torch.randn(T, H, D, generator=gen).cuda()
 
     def run(mask, dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: ANN001
-        leaf = joint.to(dtype).requires_grad_()
+        leaf = joint.to(dtype).detach().requires_grad_()  # a new leaf: at joint's dtype, .to is joint itself
         q, k, v = (leaf[:, i * H * D:(i + 1) * H * D].view(T, H, D) for i in range(3))
         out = document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), mask, scale=D ** -0.5)
         out = out[0].transpose(0, 1)
