@@ -300,12 +300,13 @@ class Trainer:
         return self.state
 
     def _profiled_step(self) -> dict[str, Any]:
-        """``train_step`` under torch.profiler on rank 0; the summary goes to ``profile-step{N}.txt``."""
+        """``train_step`` under torch.profiler on rank 0; the summary goes to ``profile-step{N}.txt``, every GPU
+        kernel to ``profile-step{N}.csv``."""
         if self.rank != 0:
             return self.train_step()
         from torch.profiler import ProfilerActivity, profile
 
-        from trainer.model.profile import summary
+        from trainer.model.profile import summary, write_kernel_csv
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
@@ -313,6 +314,7 @@ class Trainer:
         path = self.run.root / f"profile-step{record['step']}.txt"
         path.write_text(f"step {record['step']} ({record['stage']}): {record['step_seconds']:.3f} s under the "
                         f"profiler, {self.plan.grad_accum} micro-batches\n" + summary(prof, steps=1, rows=40) + "\n")
+        write_kernel_csv(path.with_suffix(".csv"), prof, steps=1)  # header only without CUDA kernels
         log.info("profile of step %d written to %s", record["step"], path)
         return record
 

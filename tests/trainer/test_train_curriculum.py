@@ -184,6 +184,7 @@ def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_sha
     assert all(m["process_seconds"] >= m["step_seconds"] > 0 for m in metrics)
     assert RunDir(run).complete_checkpoints() == []  # none at the transition, periodically, or at the end
     assert [p.name for p in run.glob("profile-step*.txt")] == ["profile-step2.txt"]
+    assert (run / "profile-step2.csv").read_text().startswith("bucket,kernel,calls_per_step,gpu_ms_per_step")
     profiled = (run / "profile-step2.txt").read_text()
     assert profiled.startswith("step 2 (s512):") and "2 micro-batches" in profiled
     assert "aten::" in profiled and "host-device synchronisations per step:" in profiled

@@ -72,6 +72,15 @@ def bucket_lines(rows: list[tuple[str, str, float, float]]) -> list[str]:
     return lines
 
 
+def write_kernel_csv(path: str | os.PathLike, prof: profile, steps: int) -> None:
+    """Every GPU kernel (bucket, calls and GPU ms per step), most time first: the whole list behind the summary's
+    buckets, for finding whose launches a bucket holds."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["bucket", "kernel", "calls_per_step", "gpu_ms_per_step"])
+        writer.writerows(kernel_rows(prof.key_averages(), steps))
+
+
 def summary(prof: profile, steps: int, rows: int, shapes: bool = False) -> str:
     """The operators by self GPU and CPU time (and by input shapes), the GPU time per kind of kernel and the
     host-device synchronisations, per step of ``steps`` profiled ones."""
@@ -139,10 +148,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{[round(t, 3) for t in times]} s, {plain_step()}")
     print(summary(prof, args.steps, args.rows, args.shapes))
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["bucket", "kernel", "calls_per_step", "gpu_ms_per_step"])
-            writer.writerows(kernel_rows(prof.key_averages(), args.steps))
+        write_kernel_csv(args.csv, prof, args.steps)
     settings = [(setting, cuda_backend()) for setting in sweep[1:]]
     settings += [(sweep[0], backend) for backend in (args.attention or [])[1:]]
     for setting, backend in settings:
