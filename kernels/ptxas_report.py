@@ -1,5 +1,5 @@
-"""Registers, spills and shared memory of every KDA, short-convolution and AttnRes kernel config on sm_90, without a
-GPU.
+"""Registers, spills and shared memory of every KDA, short-convolution, AttnRes and MoE SwiGLU kernel config on
+sm_90, without a GPU.
 
     python -m kernels.ptxas_report [--head-dim 128] [--heads 16] [--stages 3]
 
@@ -10,6 +10,7 @@ is no promise of speed. Triton on this machine may differ from the device image'
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import subprocess
@@ -25,12 +26,15 @@ from kernels.attn_res import mix
 from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
 from kernels.short_conv import conv
 
+swiglu = importlib.import_module("kernels.moe.swiglu")  # the package exports the function under the same name
+
 HOPPER = GPUTarget("cuda", 90, 64)
-FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw", "alpha"}
+FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw", "alpha",
+                "s_ptr", "ds_ptr"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
 SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "CG": "i32",
-               "stride_x": "i32"}
+               "stride_x": "i32", "M": "i32", "F_DIM": "i32"}
 TUPLE_ARGS = {"srcs": "*bf16", "dsrcs": "*bf16", "rms": "*fp32", "drms": "*fp32"}  # N pointers each
 
 
@@ -106,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
                                                  (mix.attn_res_bwd_kernel, mix.BWD_SPACE,
                                                   mixture | dict(ROWS=mix.BWD_ROWS, ACC=(1 << 8) - 1))]
                 for meta, warps in space]
+    # The experts' SwiGLU of ``small`` (d_expert = 224) with the gates as its row scale, at the blocks it launches.
+    configs += [(kernel, swiglu._blocks(224), swiglu.WARPS, dict(SCALED=True))
+                for kernel in (swiglu.swiglu_fwd_kernel, swiglu.swiglu_bwd_kernel)]
     for kernel, meta, warps, constants in configs:
         print(report(kernel, constants, triton.Config(meta, num_warps=warps), args.stages), flush=True)
 

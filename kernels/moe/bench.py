@@ -129,9 +129,10 @@ def bench_case(n_experts: int, rows: list[tuple[str, float, float]]) -> None:
     w13 = torch.randn(n_experts, D, 2 * F_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w2 = torch.randn(n_experts, F_DIM, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dys = torch.randn(T * K, D, device="cuda", dtype=torch.bfloat16)
+    row_gates = torch.rand(T * K, device="cuda")
     for backend in ("torch", "triton"):
         add(f"bare experts {backend}, balanced",
-            lambda: fwd_bwd(lambda t: moe_experts(t, w13, w2, offs, backend), xs, dys))
+            lambda: fwd_bwd(lambda t: moe_experts(t, w13, w2, offs, row_gates, backend), xs, dys))
     for cfg in SWEEP if n_experts == 64 else []:
         name = "triton fwd GEMM x·w13 " + "-".join(str(v) for v in cfg.values())
         add(name, lambda: (lambda: grouped_mm_fwd(xs.detach(), w13.detach(), offs, cfg)), 2 * T * K * D * 2 * F_DIM)

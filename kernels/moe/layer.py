@@ -27,10 +27,14 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def moe_experts(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, backend: str) -> torch.Tensor:
-    """Routed SwiGLU experts on rows sorted by expert: x_sorted `[N, d]`, w13 `[E, d, 2F]`,
-    w2 `[E, F, d]`, offs int32 `[E]` -> `[N, d]`."""
-    return _grouped_mm(swiglu(_grouped_mm(x_sorted, w13, offs, backend), backend), w2, offs, backend)
+def moe_experts(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                row_gates: torch.Tensor, backend: str) -> torch.Tensor:
+    """Routed SwiGLU experts on rows sorted by expert, each row's output times its gate: x_sorted `[N, d]`,
+    w13 `[E, d, 2F]`, w2 `[E, F, d]`, offs int32 `[E]`, row_gates fp32 `[N]` -> `[N, d]`. The gate scales the
+    activation `[N, F]` before the down projection rather than its output `[N, d]` after it: the same product,
+    and the gate's gradient comes from the activation the SwiGLU recomputes anyway, so no output is saved for it."""
+    hidden = swiglu(_grouped_mm(x_sorted, w13, offs, backend), backend, scale=row_gates)
+    return _grouped_mm(hidden, w2, offs, backend)
 
 
 class MoELayer(nn.Module):
@@ -132,8 +136,9 @@ class MoELayer(nn.Module):
 
     def _experts(self, tokens: torch.Tensor, gates: torch.Tensor, plan: RoutingPlan, backend: str) -> torch.Tensor:
         """Routed plus shared experts of tokens `[T, d]`, their gates `[T, k]` and routing plan."""
-        y = moe_experts(permute(tokens, plan, backend), self.w13, self.w2, plan.offs, backend)
-        out = combine(y, gates, plan, backend)
+        row_gates = gates.reshape(-1).index_select(0, plan.order)  # expert order, as the rows
+        y = moe_experts(permute(tokens, plan, backend), self.w13, self.w2, plan.offs, row_gates, backend)
+        out = combine(y, plan, backend)
         if self.shared13 is not None:
             out = out + swiglu(tokens @ self.shared13, backend) @ self.shared2
         return out

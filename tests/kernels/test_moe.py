@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
-from checks import rel_err
+from checks import fresh_seed, rel_err
 from interpreted import INTERPRET, import_interpreted
 
 import_interpreted("kernels.moe")
@@ -71,21 +71,36 @@ def test_grouped_mm_triton_matches_loop(counts: list[int]) -> None:
         assert rel_err(a, b) <= 1e-5, name
 
 
-def test_swiglu_matches_reference() -> None:
-    h = torch.randn(37, 2 * 48, device=DEVICE, requires_grad=True)
-    da = torch.randn(37, 48, device=DEVICE)
-    out = swiglu(h)
-    (dh,) = torch.autograd.grad(out, h, da)
+@pytest.mark.parametrize("rows, f_dim, scaled", [(37, 48, False), (37, 48, True), (5, 1100, True)],
+                         ids=["plain", "scaled", "scaled-two-column-blocks"])
+def test_swiglu_matches_reference(rows: int, f_dim: int, scaled: bool) -> None:
+    """Forward and every gradient (h, and the per-row scale when given) against the PyTorch expression."""
+    fresh_seed()
+    h = torch.randn(rows, 2 * f_dim, device=DEVICE, requires_grad=True)
+    scale = torch.rand(rows, device=DEVICE, requires_grad=True) if scaled else None
+    da = torch.randn(rows, f_dim, device=DEVICE)
+    leaves = (h,) if scale is None else (h, scale)
+    out = swiglu(h, scale=scale)
+    grads = torch.autograd.grad(out, leaves, da)
     gate, up = h.chunk(2, dim=-1)
-    ref = torch.nn.functional.silu(gate) * up
-    (rdh,) = torch.autograd.grad(ref, h, da)
-    assert rel_err(out, ref) <= 1e-5 and rel_err(dh, rdh) <= 1e-5
+    ref = torch.nn.functional.silu(gate) * up * (1 if scale is None else scale[:, None])
+    ref_grads = torch.autograd.grad(ref, leaves, da)
+    assert rel_err(out, ref) <= 1e-5
+    for name, a, b in zip(("dh", "dscale"), grads, ref_grads):
+        assert rel_err(a, b) <= 1e-5, name
 
 
-def test_permute_combine_matches_scatter_add() -> None:
+def test_swiglu_scale_must_match_rows() -> None:
+    with pytest.raises(ValueError, match="scale: expected one value per row"):
+        swiglu(torch.randn(4, 8, device=DEVICE), scale=torch.ones(3, device=DEVICE))
+
+
+def test_permute_and_combine_are_transposes() -> None:
+    """permute spreads each token to its k slots in expert order, combine sums the slots back; each one's backward
+    is the other's forward (checked against index_add / index_select through autograd)."""
+    fresh_seed()
     t, k, e, d = 19, 3, 5, 8
     x = torch.randn(t, d, requires_grad=True)
-    gates = torch.rand(t, k, requires_grad=True)
     expert_idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     plan = plan_routing(expert_idx, e)
     assert plan.counts.sum().item() == t * k
@@ -93,15 +108,29 @@ def test_permute_combine_matches_scatter_add() -> None:
     assert torch.equal(plan.order.sort().values, torch.arange(t * k))
     assert torch.equal(expert_idx.reshape(-1)[plan.order], expert_idx.reshape(-1).sort().values)
     scale = torch.randn(t * k, 1)
-    out = combine(xs * scale, gates, plan)
+    out = combine(xs * scale, plan)
     token = plan.order // k
-    ref = torch.zeros(t, d).index_add(0, token, x[token] * scale * gates.reshape(-1)[plan.order].unsqueeze(1))
+    ref = torch.zeros(t, d).index_add(0, token, x[token] * scale)
     dout = torch.randn(t, d)
-    grads = torch.autograd.grad(out, (x, gates), dout)
-    ref_grads = torch.autograd.grad(ref, (x, gates), dout)
-    assert rel_err(out, ref) <= 1e-6
-    for a, b in zip(grads, ref_grads):
-        assert rel_err(a, b) <= 1e-6
+    (grad,) = torch.autograd.grad(out, x, dout)
+    (ref_grad,) = torch.autograd.grad(ref, x, dout)
+    assert rel_err(out, ref) <= 1e-6 and rel_err(grad, ref_grad) <= 1e-6
+
+
+def test_layer_saves_one_row_per_slot_of_width_d() -> None:
+    """Of the [T·k, d] tensors, backward needs only the permuted input (w13's gradient): the gates scale the
+    activations, so the expert outputs are not kept for the gates' gradient (at 131K tokens, top-4, d = 1024 that
+    was 1 GiB per kept MoE layer)."""
+    t, d, f, k = 20, 32, 24, 2
+    layer = MoELayer(d, f, 6, k, n_shared=1, backend="triton").to(DEVICE)
+    x = torch.randn(t, d, device=DEVICE, requires_grad=True)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: (shapes.append(tuple(s.shape)), s)[1], lambda s: s):
+        out = layer(x)
+    assert shapes.count((t * k, d)) == 1, shapes
+    assert (t * k, 2 * f) in shapes and (t * k,) in shapes  # the SwiGLU's input and the gates in expert order
+    out.sum().backward()
+    assert layer.router.grad is not None and layer.router.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("backend", ["triton", "loop"])

@@ -167,7 +167,7 @@ def _opaque_kda(q, k, v, z, beta, **kwargs):  # noqa: ANN001, ANN202 - chunk_kda
     return _OpaqueKDA.apply(q, k, v, z, beta.to(q.dtype)), None
 
 
-def _opaque_experts(x_sorted, w13, w2, offs, backend):  # noqa: ANN001, ANN202 - moe_experts' signature
+def _opaque_experts(x_sorted, w13, w2, offs, row_gates, backend):  # noqa: ANN001, ANN202 - moe_experts' signature
     return x_sorted.clone()
 
 
