@@ -21,6 +21,7 @@ from triton.testing import do_bench
 
 from .grouped_gemm import grouped_mm_fwd
 from .layer import MoELayer, moe_experts
+from .permute import plan_routing
 from .router import _route
 
 log = logging.getLogger("kernels.moe.bench")
@@ -124,7 +125,9 @@ def bench_case(n_experts: int, rows: list[tuple[str, float, float]]) -> None:
             log.warning("%s", rows[-1])
         del layer
 
-    offs = torch.arange(1, n_experts + 1, device="cuda", dtype=torch.int32) * (T * K // n_experts)
+    # Slot j of token t goes to expert (t·k + j) mod E: every expert gets T·k / E rows.
+    plan = plan_routing(torch.arange(T * K, device="cuda").view(T, K) % n_experts, n_experts)
+    offs = plan.offs
     xs = torch.randn(T * K, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w13 = torch.randn(n_experts, D, 2 * F_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w2 = torch.randn(n_experts, F_DIM, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -132,7 +135,7 @@ def bench_case(n_experts: int, rows: list[tuple[str, float, float]]) -> None:
     row_gates = torch.rand(T * K, device="cuda")
     for backend in ("torch", "triton"):
         add(f"bare experts {backend}, balanced",
-            lambda: fwd_bwd(lambda t: moe_experts(t, w13, w2, offs, row_gates, backend), xs, dys))
+            lambda: fwd_bwd(lambda t: moe_experts(t, w13, w2, plan, row_gates, backend), x, dys))
     for cfg in SWEEP if n_experts == 64 else []:
         name = "triton fwd GEMM x·w13 " + "-".join(str(v) for v in cfg.values())
         add(name, lambda: (lambda: grouped_mm_fwd(xs.detach(), w13.detach(), offs, cfg)), 2 * T * K * D * 2 * F_DIM)

@@ -194,6 +194,22 @@ class GroupedMMFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+def grouped_mm_nograd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, backend: str) -> torch.Tensor:
+    """`y[r] = x[r] @ w[e(r)]` outside autograd, for a Function that writes its own backward: torch's CUTLASS
+    kernel or ours ("torch" or "triton"). `w` may be a transposed view (the input gradient's `wᵀ`)."""
+    if backend == "torch":
+        return torch._grouped_mm(x, w, offs=offs)
+    return grouped_mm_fwd(x, w, offs)
+
+
+def grouped_wgrad_nograd(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, backend: str) -> torch.Tensor:
+    """Weight gradient `[E, K, N]`: `xᵀ dy` over each expert's rows of x `[M, K]` and dy `[M, N]`, as torch's own
+    backward of `_grouped_mm` computes it ("torch"), or by our kernel ("triton")."""
+    if backend == "torch":
+        return torch._grouped_mm(x.t(), dy, offs=offs)
+    return grouped_mm_wgrad(x, dy, offs)
+
+
 def loop_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Reference: one plain matmul per expert (syncs on `offs`)."""
     ends = offs.tolist()

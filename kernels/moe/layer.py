@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .balance import Method, QuantileBalancer
 from .grouped_gemm import BACKENDS, Backend, _grouped_mm, resolve_backend
-from .permute import RoutingPlan, combine, expert_counts, permute, plan_routing
+from .permute import RoutingPlan, combine, expert_counts, plan_routing, spread_grouped_mm
 from .router import _route
 from .stats import LoadStats
 from .swiglu import swiglu
@@ -27,14 +27,17 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def moe_experts(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+def moe_experts(tokens: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan,
                 row_gates: torch.Tensor, backend: str) -> torch.Tensor:
-    """Routed SwiGLU experts on rows sorted by expert, each row's output times its gate: x_sorted `[N, d]`,
-    w13 `[E, d, 2F]`, w2 `[E, F, d]`, offs int32 `[E]`, row_gates fp32 `[N]` -> `[N, d]`. The gate scales the
-    activation `[N, F]` before the down projection rather than its output `[N, d]` after it: the same product,
-    and the gate's gradient comes from the activation the SwiGLU recomputes anyway, so no output is saved for it."""
-    hidden = swiglu(_grouped_mm(x_sorted, w13, offs, backend), backend, scale=row_gates)
-    return _grouped_mm(hidden, w2, offs, backend)
+    """Routed SwiGLU experts of tokens `[T, d]`, one row per (token, slot) in expert order, each row's output times
+    its gate: w13 `[E, d, 2F]`, w2 `[E, F, d]`, row_gates fp32 `[T·k]` (expert order) -> `[T·k, d]`.
+
+    Neither `[T·k, d]` tensor is kept for the backward: the first GEMM reads the tokens through the permutation and
+    gathers them again for its weight gradient (``spread_grouped_mm``), and the gate scales the activation `[T·k, F]`
+    before the down projection rather than its output after it (the same product; the gate's gradient comes from
+    the activation the SwiGLU recomputes anyway)."""
+    hidden = swiglu(spread_grouped_mm(tokens, w13, plan, backend), backend, scale=row_gates)
+    return _grouped_mm(hidden, w2, plan.offs, backend)
 
 
 class MoELayer(nn.Module):
@@ -137,7 +140,7 @@ class MoELayer(nn.Module):
     def _experts(self, tokens: torch.Tensor, gates: torch.Tensor, plan: RoutingPlan, backend: str) -> torch.Tensor:
         """Routed plus shared experts of tokens `[T, d]`, their gates `[T, k]` and routing plan."""
         row_gates = gates.reshape(-1).index_select(0, plan.order)  # expert order, as the rows
-        y = moe_experts(permute(tokens, plan, backend), self.w13, self.w2, plan.offs, row_gates, backend)
+        y = moe_experts(tokens, self.w13, self.w2, plan, row_gates, backend)
         out = combine(y, plan, backend)
         if self.shared13 is not None:
             out = out + swiglu(tokens @ self.shared13, backend) @ self.shared2

@@ -148,3 +148,28 @@ def test_kda_layer_on_the_kernels_matches_the_references(segment_tokens: int | N
     names = ["out", "dx"] + [f"d{n}" for n, _ in layer.named_parameters()]
     errors = {name: rel_err(got, want) for name, got, want in zip(names, *runs, strict=True)}
     assert max(errors.values()) <= 1e-4, errors
+
+
+def test_kda_layer_keeps_no_convolution_output_of_q_and_k() -> None:
+    """After the forward, no tensor saved for the backward shares storage with the convolution's [3, T, C] output
+    (q and k before their L2 norm are needed by nothing; a view of v saved by the kernel would keep them)."""
+    import torch.nn.functional as F
+
+    from trainer.model.config import KDAConfig
+    from trainer.model.kda import KDALayer
+    from trainer.model.sequence import packed_sequence
+
+    lengths = [100, 30, 70]
+    T, H, K = sum(lengths), 2, 32
+    seq = packed_sequence(F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32), T, with_mask=False,
+                          device=DEVICE)
+    layer = KDALayer(48, KDAConfig(n_heads=H, head_dim=K)).to(DEVICE)
+    x = torch.randn(T, 48, device=DEVICE, requires_grad=True)
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (sizes.append(t.untyped_storage().nbytes()), t)[1],
+                                                  lambda t: t):
+        out = layer(x, seq)
+    assert 3 * T * H * K * x.element_size() not in sizes, sizes
+    assert T * H * K * x.element_size() in sizes  # v itself is still kept
+    out.sum().backward()
+    assert x.grad is not None and layer.v_conv.weight.grad is not None

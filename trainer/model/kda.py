@@ -116,6 +116,9 @@ class KDALayer(nn.Module):
         qkv = short_conv_silu(qkv, torch.cat([conv.weight for conv in convs]), positions, groups=3)
         T = x.shape[0] - halo
         q, k, v = (t[halo:].view(1, T, H, K) for t in qkv.unbind(0))
+        # The kernel keeps v for its backward, and as a view v would keep the whole [3, T, H·K] buffer alive: q and
+        # k before their L2 norm, which nothing needs (512 MiB per kept layer at 131K tokens). A copy of v frees it.
+        v = v.clone()
         beta = torch.sigmoid(b[halo:].float()).view(1, T, H)
         z = self.g_up(z_low[halo:]).view(1, T, H, K)
         o, ht = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=cu_seqlens, initial_state=h0,
