@@ -41,6 +41,12 @@ BWD_ROWS = 64
 # SM), so it is tuned too; its tuning runs restore the sinked gradients it adds into (``_snapshot_sums``).
 FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4)]
 BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 4), ({"BT": 1}, 16)]
+# Tuned per power-of-two class of the source count (NP), not per count: ``small``'s 41 mixtures take 1 to 9 sources,
+# and each count tuned afresh compiled and timed every config of both kernels for it: 10 keys, 90 compiles (the 8k
+# stage's first step took 279 s on 2026-12-04, 84 s more than with the compiled PyTorch mixture). Six classes; the
+# counts of one class share the config found for the first of them, and each count still compiles its own
+# (unrolled) kernel once.
+TUNING_KEY = ["NP", "D", "NORM"]
 
 
 class _SumsSnapshot:
@@ -69,7 +75,7 @@ def column(x, o_n, i):
     return tl.sum(tl.where(o_n[None, :] == i, x, 0.), 1)
 
 
-@triton.autotune(configs=configs(FWD_SPACE), key=["N", "D", "NORM"])
+@triton.autotune(configs=configs(FWD_SPACE), key=TUNING_KEY)
 @triton.jit
 def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
                         BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
@@ -101,7 +107,7 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: 
              mask=m_t[:, None] & (o_n < N)[None, :])
 
 
-@triton.autotune(configs=configs(BWD_SPACE), key=["N", "D", "NORM"], pre_hook=_snapshot_sums.before,
+@triton.autotune(configs=configs(BWD_SPACE), key=TUNING_KEY, pre_hook=_snapshot_sums.before,
                  post_hook=_snapshot_sums.after)
 @triton.jit
 def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps, N: tl.constexpr, NP: tl.constexpr,
