@@ -167,8 +167,9 @@ def _opaque_kda(q, k, v, z, beta, **kwargs):  # noqa: ANN001, ANN202 - chunk_kda
     return _OpaqueKDA.apply(q, k, v, z, beta.to(q.dtype)), None
 
 
-def _opaque_experts(x_sorted, w13, w2, offs, row_gates, backend):  # noqa: ANN001, ANN202 - moe_experts' signature
-    return x_sorted.clone()
+def _opaque_experts(tokens, w13, w2, plan, row_gates, backend):  # noqa: ANN001, ANN202 - moe_experts' signature
+    """One row per (token, slot), times its gate (so the router's backward runs as on the GPU)."""
+    return tokens.repeat_interleave(plan.top_k, dim=0) * row_gates[:, None].to(tokens.dtype)
 
 
 @contextlib.contextmanager
