@@ -23,7 +23,7 @@ def test_kernel_names_fall_into_their_kinds() -> None:
         "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalIN4cute5tupleIJiiiiEEENS1_10collective": "dense gemm",
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "dense gemm", "sm90_xmma_gemm_bf16bf16_bf16f32": "dense gemm",
         "triton_poi_fused_add_mul_0": "inductor fused", "triton_red_fused_cat_sum_1": "inductor fused",
-        "combine_fwd_kernel": "routing & indexing", "void at::native::sbtopk::gatherTopK<float>": "routing & indexing",
+        "gather_sum_kernel": "routing & indexing", "void at::native::sbtopk::gatherTopK<float>": "routing & indexing",
         "Memcpy HtoD (Pinned -> Device)": "copy",
         "void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor>": "eager elementwise",
         "void at::native::reduce_kernel<512, 1>": "eager elementwise",

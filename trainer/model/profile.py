@@ -44,7 +44,7 @@ BUCKETS = (
     ("expert gemm", re.compile(r"grouped|GroupProblemShape")),  # torch._grouped_mm runs CUTLASS's grouped GEMM
     ("dense gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90_|_mm_", re.IGNORECASE)),
     ("inductor fused", re.compile(r"^triton_(poi|red|per)_")),
-    ("routing & indexing", re.compile(r"combine_|swiglu_|topk|sort|histogram|scatter|gather|index", re.IGNORECASE)),
+    ("routing & indexing", re.compile(r"swiglu_|topk|sort|histogram|scatter|gather|index", re.IGNORECASE)),
     ("copy", re.compile(r"memcpy|memset|copy|cat|CatArray", re.IGNORECASE)),
     ("eager elementwise", re.compile(r"elementwise|vectorized|reduce_kernel|unrolled")),
 )
