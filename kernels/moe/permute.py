@@ -22,11 +22,13 @@ class RoutingPlan:
     """Where every (token, slot) pair goes. N = T·k slots, numbered `t·k + j`.
 
     order: int64 `[N]`, the slot at each sorted position (sorted by expert, stable);
+    token: int64 `[N]`, the token of each sorted position (`order // k`: the row the permutation copies there);
     pos: int64 `[N]`, the sorted position of each slot (inverse of `order`);
     counts: int64 `[E]` rows per expert; offs: int32 `[E]` cumulative row ends (`torch._grouped_mm`'s).
     """
 
     order: torch.Tensor
+    token: torch.Tensor
     pos: torch.Tensor
     counts: torch.Tensor
     offs: torch.Tensor
@@ -47,7 +49,8 @@ def plan_routing(expert_idx: torch.Tensor, n_experts: int) -> RoutingPlan:
     pos[order] = torch.arange(order.numel(), device=order.device)
     counts = expert_counts(flat, n_experts)
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    return RoutingPlan(order=order, pos=pos, counts=counts, offs=offs, top_k=expert_idx.shape[1])
+    top_k = expert_idx.shape[1]
+    return RoutingPlan(order=order, token=order // top_k, pos=pos, counts=counts, offs=offs, top_k=top_k)
 
 
 @triton.jit
@@ -73,11 +76,6 @@ def gather_sum(y: torch.Tensor, pos: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
-def _spread(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """`[T·k, d]` rows in expert order: row p is x[order[p] // k]."""
-    return x.index_select(0, order // top_k)
-
-
 def _sum_slots(y: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
     """`[T, d]`: token t's row is the sum of y's rows pos[t·k + j] over j."""
     if use_triton:
@@ -87,13 +85,13 @@ def _sum_slots(y: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool)
 
 
 class PermuteFunction(torch.autograd.Function):
-    """xs[p] = x[order[p] // k]; backward dx[t] = Σ_j dxs[pos[t·k + j]] (the combine's forward)."""
+    """xs[p] = x[token[p]]; backward dx[t] = Σ_j dxs[pos[t·k + j]] (the combine's forward)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
         ctx.save_for_backward(pos)
         ctx.top_k, ctx.use_triton = top_k, use_triton
-        return _spread(x, order, top_k)
+        return x.index_select(0, token)
 
     @staticmethod
     def backward(ctx, dxs: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
@@ -102,20 +100,19 @@ class PermuteFunction(torch.autograd.Function):
 
 
 class CombineFunction(torch.autograd.Function):
-    """out[t] = Σ_j y[pos[t·k + j]]; backward dy[p] = dout[order[p] // k] (the permutation's forward). Only the
-    two index vectors are saved: the gates were applied before the experts' down projection."""
+    """out[t] = Σ_j y[pos[t·k + j]]; backward dy[p] = dout[token[p]] (the permutation's forward). Only an index
+    vector is saved: the gates were applied before the experts' down projection."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, order: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool
+    def forward(ctx, y: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool
                 ) -> torch.Tensor:
-        ctx.save_for_backward(order)
-        ctx.top_k = top_k
+        ctx.save_for_backward(token)
         return _sum_slots(y, pos, top_k, use_triton)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        (order,) = ctx.saved_tensors
-        return _spread(dout, order, ctx.top_k), None, None, None, None
+        (token,) = ctx.saved_tensors
+        return dout.index_select(0, token), None, None, None, None
 
 
 class SpreadGroupedMMFunction(torch.autograd.Function):
@@ -125,22 +122,22 @@ class SpreadGroupedMMFunction(torch.autograd.Function):
     forward to the backward (1 GiB per MoE layer at 131K tokens, top-4, d = 1024)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, order: torch.Tensor, pos: torch.Tensor,  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, token: torch.Tensor, pos: torch.Tensor,  # noqa: ANN001
                 top_k: int, backend: str) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offs, order, pos)
+        ctx.save_for_backward(x, w, offs, token, pos)
         ctx.top_k, ctx.backend = top_k, backend
-        return grouped_mm_nograd(_spread(x, order, top_k), w, offs, backend)
+        return grouped_mm_nograd(x.index_select(0, token), w, offs, backend)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:  # noqa: ANN001
-        x, w, offs, order, pos = ctx.saved_tensors
+        x, w, offs, token, pos = ctx.saved_tensors
         dh = dh.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dxs = grouped_mm_nograd(dh, w.transpose(-2, -1), offs, ctx.backend)
             dx = _sum_slots(dxs, pos, ctx.top_k, use_triton=True)
         if ctx.needs_input_grad[1]:
-            dw = grouped_wgrad_nograd(_spread(x, order, ctx.top_k), dh, offs, ctx.backend)
+            dw = grouped_wgrad_nograd(x.index_select(0, token), dh, offs, ctx.backend)
         return dx, dw, None, None, None, None, None
 
 
@@ -151,15 +148,15 @@ def spread_grouped_mm(x: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, backe
     backend = resolve_backend(backend, x)
     if backend == "loop":
         return loop_grouped_mm(permute(x, plan, backend), w, plan.offs)
-    return SpreadGroupedMMFunction.apply(x, w, plan.offs, plan.order, plan.pos, plan.top_k, backend)
+    return SpreadGroupedMMFunction.apply(x, w, plan.offs, plan.token, plan.pos, plan.top_k, backend)
 
 
 def permute(x: torch.Tensor, plan: RoutingPlan, backend: str = "auto") -> torch.Tensor:
     """Gather x `[T, d]` into expert order -> `[T·k, d]` (one row per slot). The backward's
     gather-sum runs in Triton unless backend resolves to the loop reference."""
-    return PermuteFunction.apply(x, plan.order, plan.pos, plan.top_k, resolve_backend(backend, x) != "loop")
+    return PermuteFunction.apply(x, plan.token, plan.pos, plan.top_k, resolve_backend(backend, x) != "loop")
 
 
 def combine(y: torch.Tensor, plan: RoutingPlan, backend: str = "auto") -> torch.Tensor:
     """Sum of each token's k expert outputs: y `[T·k, d]` (expert order, already weighted by the gates) -> `[T, d]`."""
-    return CombineFunction.apply(y, plan.order, plan.pos, plan.top_k, resolve_backend(backend, y) != "loop")
+    return CombineFunction.apply(y, plan.token, plan.pos, plan.top_k, resolve_backend(backend, y) != "loop")
