@@ -29,7 +29,11 @@ __all__ = ["DocumentMask", "document_block_mask", "document_ids", "document_mask
 
 TILE = 128  # FlexAttention's default block size, both ways
 BACKENDS = ("varlen", "flex")
-DEFAULT_CUDA_BACKEND = "flex"
+# In the model the varlen kernels win: `small` at 131K tokens stepped in 1,234 ms with them against 1,330 ms with
+# FlexAttention (H200, 2026-12-04, `trainer.model.profile --attention varlen flex`), and the 8k stage's attention
+# took 1.34 s per step against FlexAttention's 2.92 s (sixth session), although FlexAttention is faster in the
+# isolated bench (`vision.attention_bench`: 15.0 against 20.3 ms at 131K tokens, causal).
+DEFAULT_CUDA_BACKEND = "varlen"
 
 
 # Inductor says so each time it splits a long FlexAttention reduction (11 multi-line warnings in a 1M-token step's

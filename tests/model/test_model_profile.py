@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer.model.profile import bucket, kernel_rows
+from trainer.model.profile import bucket, idle_gaps, kernel_rows, merged
 
 
 def test_kernel_names_fall_into_their_kinds() -> None:
@@ -39,3 +39,19 @@ def test_kernel_rows_are_per_step_and_gpu_only() -> None:
               SimpleNamespace(key="aten::mm", count=4, self_device_time_total=0., device_type=cpu)]
     assert kernel_rows(events, steps=2) == [("kda", "chunk_kda_fwd_h_kernel", 1.0, 4.5),
                                             ("inductor fused", "triton_poi_fused_add_0", 3.0, 1.5)]
+
+
+def test_idle_gaps_name_the_innermost_host_op_running_as_each_began() -> None:
+    busy = [(0., 100.), (50., 120.), (400., 500.), (510., 600.)]   # overlapping kernels merge; gaps 120-400, 500-510
+    ops = [(0., 1000., "step"), (110., 450., "aten::item"), (115., 130., "cudaStreamSynchronize"),
+           (490., 520., "aten::add")]
+    idle, gaps = idle_gaps(busy, ops, window=(0., 700.), min_gap=50.)
+    assert idle == 280. + 10. + 100.   # the tail after the last kernel counts as idle too
+    assert gaps == [(120., 280., "cudaStreamSynchronize"), (600., 100., "step")]
+    # a window starting later shifts the reported start and clips the busy time
+    idle, gaps = idle_gaps(busy, ops, window=(200., 700.), min_gap=50.)
+    assert idle == 200. + 10. + 100. and gaps[0] == (0., 200., "aten::item")
+
+
+def test_merged_covers_overlaps_once() -> None:
+    assert merged([(5., 6.), (0., 2.), (1., 3.), (3., 4.)]) == [(0., 4.), (5., 6.)]

@@ -25,6 +25,8 @@ def test_unknown_backends_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
         cuda_backend()
     monkeypatch.setenv("LONGWEAVE_ATTENTION", "flex")
     assert cuda_backend() == "flex"
+    monkeypatch.delenv("LONGWEAVE_ATTENTION")
+    assert cuda_backend() == "varlen"   # the model's faster one on the H200 (DEFAULT_CUDA_BACKEND)
 
 
 @pytest.mark.gpu

@@ -7,9 +7,9 @@ The 8k stage's micro-batch of 16 × 8,192 tokens is one packed sequence to the m
 
 Prints step time, tokens/s and MFU, the operators by self GPU time and by self CPU time, the GPU time per step of
 each kind of kernel (dense GEMM, expert GEMM, KDA, attention, Inductor-fused, MoE routing and indexing, copies,
-eager elementwise, other), and the host-device synchronisations and device-to-host copies (each one stalls the
-launch queue), so the next optimisation targets a measured hot spot. When the CPU time per step exceeds the GPU
-time, the step is host-bound (launches, Python). ``--csv`` writes every kernel (bucket, calls and GPU ms per step).
+eager elementwise, other), the host-device synchronisations and device-to-host copies (each one stalls the
+launch queue) and the GPU's idle gaps with the host op running as each began, so the next optimisation targets a
+measured hot spot. When the CPU time per step exceeds the GPU time, the step is host-bound (launches, Python). ``--csv`` writes every kernel (bucket, calls and GPU ms per step).
 Several ``--recompute-layers`` values are a sweep in one process (the compiles are shared): the profile is of the
 first, then each further value gets its step time, MFU and peak memory, or "out of memory". Several ``--attention``
 backends likewise (``LONGWEAVE_ATTENTION``, read as each step builds its mask): the profile is of the first, each
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import heapq
 import os
 import re
 
@@ -81,6 +82,66 @@ def write_kernel_csv(path: str | os.PathLike, prof: profile, steps: int) -> None
         writer.writerows(kernel_rows(prof.key_averages(), steps))
 
 
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping cover of ``(start, end)`` intervals."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def idle_gaps(busy: list[tuple[float, float]], cpu_ops: list[tuple[float, float, str]], window: tuple[float, float],
+              min_gap: float = 200.0) -> tuple[float, list[tuple[float, float, str]]]:
+    """The GPU's idle time inside ``window`` (µs) and each gap of at least ``min_gap`` µs as (start, length, the
+    innermost CPU op running when it began, or "-"): what the host was doing while the GPU waited.
+
+    ``busy``: device activity (kernels, copies, memsets) as ``(start, end)``; ``cpu_ops``: ``(start, end, name)``."""
+    lo, hi = window
+    idle, gaps, cursor = 0.0, [], lo
+    for start, end in merged([(max(a, lo), min(b, hi)) for a, b in busy if b > lo and a < hi]) + [(hi, hi)]:
+        if start > cursor:
+            idle += start - cursor
+            if start - cursor >= min_gap:
+                gaps.append((cursor, start - cursor))
+        cursor = max(cursor, end)
+    ops, named, active, i = sorted(cpu_ops), [], [], 0
+    for start, length in gaps:  # a sweep: the ops begun by each gap's start, minus those ended by then
+        while i < len(ops) and ops[i][0] <= start:
+            heapq.heappush(active, (ops[i][1], ops[i][1] - ops[i][0], ops[i][2]))
+            i += 1
+        while active and active[0][0] <= start:
+            heapq.heappop(active)
+        named.append((start - lo, length, min(active, key=lambda op: op[1])[2] if active else "-"))
+    return idle, named
+
+
+def idle_lines(prof: profile, top: int = 15) -> list[str]:
+    """The GPU's idle time over the profiled window and its largest gaps, each with the host op that was running
+    (its innermost CPU op): a step whose wall time exceeds its kernels' time waits on the host somewhere."""
+    events = prof.events()
+    cuda = torch.autograd.DeviceType.CUDA
+    busy = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda]
+    cpu = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type != cuda]
+    if not busy or not cpu:
+        return ["GPU idle time: no device events"]
+    window = (min(a for a, _, _ in cpu), max(b for _, b, _ in cpu))
+    idle, gaps = idle_gaps(busy, cpu, window)
+    by_op: dict[str, list[float]] = {}
+    for _, length, name in gaps:
+        by_op.setdefault(name, []).append(length)
+    lines = [f"GPU idle {idle / 1e3:.1f} ms of the {(window[1] - window[0]) / 1e3:.1f} ms profiled; gaps of 0.2 ms "
+             f"or more: {len(gaps)}, {sum(g[1] for g in gaps) / 1e3:.1f} ms. By the host op running as each began:"]
+    for name, lengths in sorted(by_op.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(lengths) / 1e3:9.1f} ms {len(lengths):5d} gaps  {name[:90]}")
+    lines.append("largest gaps (ms from the window's start, ms idle, host op):")
+    lines += [f"  {start / 1e3:10.1f} {length / 1e3:8.1f}  {name[:90]}" for start, length, name in
+              sorted(gaps, key=lambda g: -g[1])[:top]]
+    return lines
+
+
 def summary(prof: profile, steps: int, rows: int, shapes: bool = False) -> str:
     """The operators by self GPU and CPU time (and by input shapes), the GPU time per kind of kernel and the
     host-device synchronisations, per step of ``steps`` profiled ones."""
@@ -94,6 +155,7 @@ def summary(prof: profile, steps: int, rows: int, shapes: bool = False) -> str:
     parts.append("host-device synchronisations per step:")
     parts += [f"  {e.key:30s} {e.count / steps:8.1f} calls, {e.cpu_time_total / steps / 1e3:8.1f} ms"
               for e in events if e.key in SYNC_OPS]
+    parts += idle_lines(prof)
     return "\n".join(parts)
 
 
