@@ -3,14 +3,11 @@
 Each sublayer of block AttnRes mixes up to ten sources ``[T, d]`` (the finished blocks and the open one). Compiled
 from PyTorch, the mixture read every source twice forward (Inductor split the reduction, so its online softmax was
 off: one pass for the logits, one for the weighted sum), and autograd's backward ran several kernels per source.
-Here the forward reads each source once from memory (online softmax over the sources of a row, the norm on the row
-in registers) and writes the sublayer's input, the weights ``[T, n]`` and, with the norm, each source's dot with the
-mixture ``[T, n]`` (a second pass over the rows it has just read, from cache). With those dots the backward needs
-one read of the sources: every per-row quantity of the norm's and the softmax's gradients is a combination of dots
-it takes in that pass, and the pseudo-query's gradient is summed from per-row partial sums that exist before the
-softmax's gradient does. It writes every source's gradient once. (Its first version read the sources twice, to
-rebuild the mixture and then for the weights' gradients, and ran at about 1 TB/s on the H200: 1.3 s of the 8k
-stage's 12.4 s step, 2026-12-04.)
+Here the forward reads each source once (online softmax over the sources of a row, the norm on the row in
+registers) and writes the sublayer's input and the weights ``[T, n]``. The backward reads the sources twice (to
+rebuild the mixture for the norm's gradient, then for the weights' gradients) and writes every source's gradient
+once: the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before
+``ds`` does, so no third read is needed.
 
 A finished block is a source of every later sublayer. Left to autograd, each of those mixtures' backward writes a
 fresh ``[T, d]`` gradient for it and autograd adds it into the block's running sum (read two, write one). A source
@@ -38,9 +35,10 @@ MAX_SOURCES, MAX_WIDTH = 16, 8192
 BWD_ROWS = 64
 
 # Tiles that ptxas (sm_90, d = 1024, 9 sources) compiles without spills (`python -m kernels.ptxas_report`): the
-# unrolled loop over sources keeps several [BT, d] loads in flight. Forward BT 8 spilled with 8 and 16 warps. The
-# backward (unrolled over sources, about 236-255 registers) spills nothing at BT 2 with 8 warps, under 200 B per
-# thread at BT 1 with 4, 8 and 16; its tuning runs restore the sinked gradients it adds into (``_snapshot_sums``).
+# unrolled loop over sources keeps several [BT, d] loads in flight. Forward BT 8 spilled with 8 and 16 warps; the
+# backward (unrolled over sources, 227-255 registers) spilled nothing only at BT 1 and 2 with 8 warps, under 200 B
+# per thread at BT 1 with 4 and 16. It ran at 0.94 TB/s at BT 2 with 8 warps on the H200 (one block of 8 warps per
+# SM), so it is tuned too; its tuning runs restore the sinked gradients it adds into (``_snapshot_sums``).
 FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4)]
 BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 4), ({"BT": 1}, 16)]
 # Tuned per power-of-two class of the source count (NP), not per count: ``small``'s 41 mixtures take 1 to 9 sources,
@@ -79,16 +77,13 @@ def column(x, o_n, i):
 
 @triton.autotune(configs=configs(FWD_SPACE), key=TUNING_KEY)
 @triton.jit
-def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, h, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
+def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
                         BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
-    """y = mixture (RMSNorm'ed with g if NORM) of BT rows; alpha: their softmax weights over the N sources; h (if
-    NORM): each source's dot with the mixture before the norm, which the backward needs and could only get by a
-    second pass over the sources."""
+    """y = mixture (RMSNorm'ed with g if NORM) of BT rows; alpha: their softmax weights over the N sources."""
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_n = tl.arange(0, BD), tl.arange(0, NP)
     m_t, m_d = o_t < T, o_d < D
     m = m_t[:, None] & m_d[None, :]
-    m_n = m_t[:, None] & (o_n < N)[None, :]
     b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
     b_max = tl.full([BT], float("-inf"), tl.float32)
     b_sum = tl.zeros([BT], dtype=tl.float32)
@@ -104,32 +99,23 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, h, T, eps, N: tl.constexpr, N
         b_max = new_max
         b_s = tl.where(o_n[None, :] == i, s_i[:, None], b_s)
     b_mix = b_acc / b_sum[:, None]
-    tl.store(alpha + o_t[:, None] * N + o_n[None, :], tl.exp(b_s - b_max[:, None]) / b_sum[:, None], mask=m_n)
     if NORM:
-        b_h = tl.zeros([BT, NP], dtype=tl.float32)
-        for i in tl.static_range(N):  # the rows just read, again: from cache
-            b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-            b_h = tl.where(o_n[None, :] == i, tl.sum(b_x * b_mix, 1)[:, None], b_h)
-        tl.store(h + o_t[:, None] * N + o_n[None, :], b_h, mask=m_n)
         b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
         b_mix = b_mix * b_rinv[:, None] * tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
     tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
+    tl.store(alpha + o_t[:, None] * N + o_n[None, :], tl.exp(b_s - b_max[:, None]) / b_sum[:, None],
+             mask=m_t[:, None] & (o_n < N)[None, :])
 
 
 @triton.autotune(configs=configs(BWD_SPACE), key=TUNING_KEY, pre_hook=_snapshot_sums.before,
                  post_hook=_snapshot_sums.after)
 @triton.jit
-def attn_res_bwd_kernel(srcs, rms, w, g, alpha, h, dy, dsrcs, drms, dw, dg, T, eps, N: tl.constexpr,
-                        NP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
+def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps, N: tl.constexpr, NP: tl.constexpr,
+                        D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
                         ROWS: tl.constexpr, BT: tl.constexpr):
     """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
-    pseudo-query's gradient (dw) and of the norm weight's (dg), in one read of the sources. Source i's gradient is
-    added into ``dsrcs[i]`` when bit i of ACC is set, written over it otherwise.
-
-    With the norm, the mixture's gradient is ``dm = ρ·(g⊙dy) − κ·m`` (ρ the mixture's inverse RMS, ``κ = ρ³/D ·
-    Σ g⊙dy⊙m``), so the logits need ``dm·x_i = ρ·e_i − κ·h_i`` with ``e_i = (g⊙dy)·x_i`` (read here) and ``h_i = m·x_i``
-    (saved by the forward). The pseudo-query's gradient ``Σ_i ds_i r_i x_i``, ``ds_i = a_i (dm·x_i − c)``, is summed
-    as ``ρ·P1 − κ·P2 − c·Q`` over per-row sums that exist before ρ, κ and c do."""
+    pseudo-query's gradient (dw) and of the norm weight's (dg). Source i's gradient is added into ``dsrcs[i]`` when
+    bit i of ACC is set, written over it otherwise."""
     i_p = tl.program_id(0)
     o_d, o_n = tl.arange(0, BD), tl.arange(0, NP)
     m_d = o_d < D
@@ -141,43 +127,33 @@ def attn_res_bwd_kernel(srcs, rms, w, g, alpha, h, dy, dsrcs, drms, dw, dg, T, e
         o_t = i_p.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
         m = m_t[:, None] & m_d[None, :]
-        m_n = m_t[:, None] & (o_n < N)[None, :]
-        b_a = tl.load(alpha + o_t[:, None] * N + o_n[None, :], mask=m_n, other=0.)
-        b_dy = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-        b_gdy = b_dy * b_g[None, :] if NORM else b_dy
-        b_e = tl.zeros([BT, NP], dtype=tl.float32)    # (g⊙dy)·x_i
-        b_xw = tl.zeros([BT, NP], dtype=tl.float32)   # x_i·w
-        b_p1 = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i e_i x_i
-        b_q = tl.zeros([BT, BD], dtype=tl.float32)    # Σ_i a_i r_i x_i
-        if NORM:
-            b_h = tl.load(h + o_t[:, None] * N + o_n[None, :], mask=m_n, other=0.)
+        b_a = tl.load(alpha + o_t[:, None] * N + o_n[None, :], mask=m_t[:, None] & (o_n < N)[None, :], other=0.)
+        b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+        if NORM:  # the mixture again, for the norm's gradient
             b_mix = tl.zeros([BT, BD], dtype=tl.float32)
-            b_p2 = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i h_i x_i
+            for i in tl.static_range(N):
+                b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+                b_mix += column(b_a, o_n, i)[:, None] * b_x
+            b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
+            b_dg += tl.sum(b_dm * b_mix * b_rinv[:, None], 0)
+            b_gdy = b_dm * b_g[None, :]
+            b_c = b_rinv * b_rinv * b_rinv / D * tl.sum(b_gdy * b_mix, 1)
+            b_dm = b_rinv[:, None] * b_gdy - b_mix * b_c[:, None]
+        b_da = tl.zeros([BT, NP], dtype=tl.float32)   # dm · x_i
+        b_xw = tl.zeros([BT, NP], dtype=tl.float32)   # x_i · w
+        b_pw = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i da_i x_i
+        b_qw = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i x_i
         for i in tl.static_range(N):
             b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-            a_i = column(b_a, o_n, i)
-            b_ar = a_i * tl.load(rms[i] + o_t, mask=m_t, other=0.)
-            e_i = tl.sum(b_gdy * b_x, 1)
-            b_e = tl.where(o_n[None, :] == i, e_i[:, None], b_e)
+            b_ar = column(b_a, o_n, i) * tl.load(rms[i] + o_t, mask=m_t, other=0.)
+            da_i = tl.sum(b_dm * b_x, 1)
+            b_da = tl.where(o_n[None, :] == i, da_i[:, None], b_da)
             b_xw = tl.where(o_n[None, :] == i, tl.sum(b_x * b_w[None, :], 1)[:, None], b_xw)
-            b_p1 += (b_ar * e_i)[:, None] * b_x
-            b_q += b_ar[:, None] * b_x
-            if NORM:
-                b_mix += a_i[:, None] * b_x
-                b_p2 += (b_ar * column(b_h, o_n, i))[:, None] * b_x
-        if NORM:
-            b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
-            b_dg += tl.sum(b_dy * b_mix * b_rinv[:, None], 0)
-            b_kappa = b_rinv * b_rinv * b_rinv / D * tl.sum(b_a * b_e, 1)
-            b_da = b_rinv[:, None] * b_e - b_kappa[:, None] * b_h
-            b_dm = b_rinv[:, None] * b_gdy - b_kappa[:, None] * b_mix
-            b_p1 = b_rinv[:, None] * b_p1 - b_kappa[:, None] * b_p2
-        else:
-            b_da = b_e
-            b_dm = b_dy
+            b_pw += (b_ar * da_i)[:, None] * b_x
+            b_qw += b_ar[:, None] * b_x
         b_c = tl.sum(b_a * b_da, 1)
         b_ds = b_a * (b_da - b_c[:, None])   # the logits' gradient
-        b_dw += tl.sum(b_p1 - b_c[:, None] * b_q, 0)
+        b_dw += tl.sum(b_pw - b_c[:, None] * b_qw, 0)
         for i in tl.static_range(N):
             ds_i = column(b_ds, o_n, i)
             b_r = tl.load(rms[i] + o_t, mask=m_t, other=0.)
@@ -225,8 +201,7 @@ def sinked(x: torch.Tensor, sink: GradSink) -> torch.Tensor:
 
 
 class AttnResMix(torch.autograd.Function):
-    """Saves the sources and inv_rms (alive anyway), the weights and (with the norm) the sources' dots with the
-    mixture, float32 ``[T, n]`` each; nothing of size ``[T, d]``."""
+    """Saves the sources and inv_rms (alive anyway) and the weights float32 ``[T, n]``; nothing of size ``[T, d]``."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, weight: torch.Tensor | None, eps: float,  # noqa: ANN001
@@ -237,17 +212,16 @@ class AttnResMix(torch.autograd.Function):
         y = torch.empty_like(sources[0])
         alpha = torch.empty(T, n, dtype=torch.float32, device=y.device)
         norm = weight is not None
-        h = torch.empty_like(alpha) if norm else alpha
         meta = dict(N=n, NP=triton.next_power_of_2(n), D=D, BD=triton.next_power_of_2(D), NORM=norm)
         attn_res_fwd_kernel[lambda m: (triton.cdiv(T, m["BT"]),)](
-            sources, rms, query, weight if norm else query, y, alpha, h, T, eps, **meta)
-        ctx.save_for_backward(query, weight, alpha, h, *tensors)
+            sources, rms, query, weight if norm else query, y, alpha, T, eps, **meta)
+        ctx.save_for_backward(query, weight, alpha, *tensors)
         ctx.meta, ctx.eps, ctx.sinks = meta, eps, sinks
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        query, weight, alpha, h, *tensors = ctx.saved_tensors
+        query, weight, alpha, *tensors = ctx.saved_tensors
         n = ctx.meta["N"]
         sources, rms = tuple(tensors[:n]), tuple(tensors[n:])
         T, D = sources[0].shape
@@ -263,7 +237,7 @@ class AttnResMix(torch.autograd.Function):
         dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
         dg = torch.empty_like(dw) if weight is not None else dw
         attn_res_bwd_kernel[(programs,)](
-            sources, rms, query, weight if weight is not None else query, alpha, h, dy.contiguous(), tuple(dsrcs),
+            sources, rms, query, weight if weight is not None else query, alpha, dy.contiguous(), tuple(dsrcs),
             drms, dw, dg, T, ctx.eps, ACC=accumulate, ROWS=BWD_ROWS, **ctx.meta)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
         dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
