@@ -34,7 +34,7 @@ FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
 SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "CG": "i32",
-               "stride_x": "i32", "M": "i32", "F_DIM": "i32"}
+               "stride_x": "i32", "M": "i32", "F_DIM": "i32", "acc": "i32"}
 TUPLE_ARGS = {"srcs": "*bf16", "dsrcs": "*bf16", "rms": "*fp32", "drms": "*fp32"}  # N pointers each
 
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     configs += [(kernel, meta, warps, constants)
                 for kernel, space, constants in [(mix.attn_res_fwd_kernel, mix.FWD_SPACE, mixture),
                                                  (mix.attn_res_bwd_kernel, mix.BWD_SPACE,
-                                                  mixture | dict(ROWS=mix.BWD_ROWS, ACC=(1 << 8) - 1))]
+                                                  mixture | dict(ROWS=mix.BWD_ROWS))]
                 for meta, warps in space]
     # The experts' SwiGLU of ``small`` (d_expert = 224) with the gates as its row scale, at the blocks it launches.
     configs += [(kernel, swiglu._blocks(224), swiglu.WARPS, dict(SCALED=True))

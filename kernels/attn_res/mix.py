@@ -50,7 +50,7 @@ TUNING_KEY = ["NP", "D", "NORM"]
 
 
 class _SumsSnapshot:
-    """The autotuner's hooks for the backward: the gradients it adds into (bit i of ACC set) copied before each
+    """The autotuner's hooks for the backward: the gradients it adds into (bit i of ``acc`` set) copied before each
     tuning run and put back after it, so tuning leaves every sum as one run would."""
 
     def __init__(self) -> None:
@@ -58,7 +58,7 @@ class _SumsSnapshot:
 
     def before(self, kwargs: dict, reset_only: bool = False) -> None:
         if not reset_only:
-            self.saved = [(d, d.clone()) for i, d in enumerate(kwargs["dsrcs"]) if (kwargs["ACC"] >> i) & 1]
+            self.saved = [(d, d.clone()) for i, d in enumerate(kwargs["dsrcs"]) if (kwargs["acc"] >> i) & 1]
 
     def after(self, kwargs: dict, exception: BaseException | None) -> None:  # noqa: ARG002 - the hook's protocol
         for d, copy in self.saved:
@@ -109,13 +109,15 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: 
 
 @triton.autotune(configs=configs(BWD_SPACE), key=TUNING_KEY, pre_hook=_snapshot_sums.before,
                  post_hook=_snapshot_sums.after)
-@triton.jit
-def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps, N: tl.constexpr, NP: tl.constexpr,
-                        D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, ACC: tl.constexpr,
+@triton.jit(do_not_specialize=["acc"])
+def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
+                        NP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
                         ROWS: tl.constexpr, BT: tl.constexpr):
     """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
     pseudo-query's gradient (dw) and of the norm weight's (dg). Source i's gradient is added into ``dsrcs[i]`` when
-    bit i of ACC is set, written over it otherwise."""
+    bit i of ``acc`` is set, written over it otherwise. ``acc`` is a runtime bit mask, not a constant: as a constant
+    a source count compiled this unrolled kernel once per mask, which in block AttnRes is twice (with and without
+    the open block among the sources: 17 compiles for ``small``'s mixtures instead of 9)."""
     i_p = tl.program_id(0)
     o_d, o_n = tl.arange(0, BD), tl.arange(0, NP)
     m_d = o_d < D
@@ -158,7 +160,7 @@ def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps,
             ds_i = column(b_ds, o_n, i)
             b_r = tl.load(rms[i] + o_t, mask=m_t, other=0.)
             b_dx = column(b_a, o_n, i)[:, None] * b_dm + (ds_i * b_r)[:, None] * b_w[None, :]
-            if (ACC >> i) & 1:
+            if (acc >> i) & 1:
                 b_dx += tl.load(dsrcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
             tl.store(dsrcs[i] + o_t[:, None] * D + o_d[None, :], b_dx.to(dsrcs[i].dtype.element_ty), mask=m)
             tl.store(drms[i] + o_t, ds_i * column(b_xw, o_n, i), mask=m_t)
@@ -238,7 +240,7 @@ class AttnResMix(torch.autograd.Function):
         dg = torch.empty_like(dw) if weight is not None else dw
         attn_res_bwd_kernel[(programs,)](
             sources, rms, query, weight if weight is not None else query, alpha, dy.contiguous(), tuple(dsrcs),
-            drms, dw, dg, T, ctx.eps, ACC=accumulate, ROWS=BWD_ROWS, **ctx.meta)
+            drms, dw, dg, T, ctx.eps, accumulate, ROWS=BWD_ROWS, **ctx.meta)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
         dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
         return (dw.sum(0).to(query.dtype), dweight, None, None, *dsources, *drms)

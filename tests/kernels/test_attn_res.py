@@ -190,3 +190,15 @@ def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest
     errors = {k: rel_err(got[k], ref[k]) for k in ref}
     # Six sublayers of float32 against float64: up to 9.7e-6 over 20 seeds, mostly 1e-6 to 3e-6.
     assert len(errors) == 2 + 1 + n_sub + 2 * n_sub and max(errors.values()) <= 1e-4, errors
+
+
+def test_tuning_restores_exactly_the_sums_the_backward_adds_into() -> None:
+    """The backward's autotuning hooks read the runtime mask ``acc`` (bit i: add into source i's gradient): a tuning
+    run's additions are undone for those sums, and the gradients it writes over are left alone."""
+    written, summed = torch.zeros(4), torch.ones(4)
+    nargs = {"dsrcs": (written, summed), "acc": 0b10}
+    mix._snapshot_sums.before(nargs)
+    written.add_(5.)
+    summed.add_(7.)
+    mix._snapshot_sums.after(nargs, exception=None)
+    assert written.tolist() == [5.] * 4 and summed.tolist() == [1.] * 4
