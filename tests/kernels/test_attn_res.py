@@ -54,6 +54,9 @@ def forward_backward(fn, case: dict, dy: torch.Tensor) -> dict[str, torch.Tensor
     pytest.param(70, 48, 3, True, id="width-48-norm"),
     pytest.param(130, 64, 9, False, id="nine-sources-three-programs"),
     pytest.param(130, 64, 10, True, id="ten-sources-norm-three-programs"),
+    # wider than the backward's column chunk (256): three chunks, the last one partial
+    pytest.param(70, 600, 4, True, id="width-600-norm-three-chunks"),
+    pytest.param(70, 300, 3, False, id="width-300-two-chunks"),
 ])
 def test_matches_reference(T: int, D: int, n: int, norm: bool) -> None:
     """Against the reference in float64. Float32 arithmetic, the kernels' and the float32 reference's alike, lands
