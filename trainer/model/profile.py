@@ -9,7 +9,8 @@ Prints step time, tokens/s and MFU, the operators by self GPU time and by self C
 each kind of kernel (dense GEMM, expert GEMM, KDA, attention, Inductor-fused, MoE routing and indexing, copies,
 eager elementwise, other), the host-device synchronisations and device-to-host copies (each one stalls the
 launch queue) and the GPU's idle gaps with the host op running as each began, so the next optimisation targets a
-measured hot spot. When the CPU time per step exceeds the GPU time, the step is host-bound (launches, Python). ``--csv`` writes every kernel (bucket, calls and GPU ms per step).
+measured hot spot. When the CPU time per step exceeds the GPU time, the step is host-bound (launches, Python).
+``--csv`` writes every kernel (bucket, calls and GPU ms per step).
 Several ``--recompute-layers`` values are a sweep in one process (the compiles are shared): the profile is of the
 first, then each further value gets its step time, MFU and peak memory, or "out of memory". Several ``--attention``
 backends likewise (``LONGWEAVE_ATTENTION``, read as each step builds its mask): the profile is of the first, each
