@@ -301,7 +301,8 @@ class Trainer:
 
     def _profiled_step(self) -> dict[str, Any]:
         """``train_step`` under torch.profiler on rank 0; the summary goes to ``profile-step{N}.txt``, every GPU
-        kernel to ``profile-step{N}.csv``."""
+        kernel to ``profile-step{N}.csv``. Python frames are recorded (``with_stack``) so that each of the GPU's idle
+        gaps names the code the host was in; that slows the host, so the profiled step's time is not the step's."""
         if self.rank != 0:
             return self.train_step()
         from torch.profiler import ProfilerActivity, profile
@@ -309,7 +310,7 @@ class Trainer:
         from trainer.model.profile import summary, write_kernel_csv
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, with_stack=True) as prof:
             record = self.train_step()
         path = self.run.root / f"profile-step{record['step']}.txt"
         path.write_text(f"step {record['step']} ({record['stage']}): {record['step_seconds']:.3f} s under the "

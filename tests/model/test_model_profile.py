@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer.model.profile import bucket, idle_gaps, kernel_rows, merged
+from trainer.model.profile import bucket, idle_gaps, kernel_rows, launching_thread, merged, where
 
 
 def test_kernel_names_fall_into_their_kinds() -> None:
@@ -41,16 +41,34 @@ def test_kernel_rows_are_per_step_and_gpu_only() -> None:
                                             ("inductor fused", "triton_poi_fused_add_0", 3.0, 1.5)]
 
 
-def test_idle_gaps_name_the_innermost_host_op_running_as_each_began() -> None:
+def test_idle_gaps_give_the_host_ops_running_as_each_began() -> None:
     busy = [(0., 100.), (50., 120.), (400., 500.), (510., 600.)]   # overlapping kernels merge; gaps 120-400, 500-510
     ops = [(0., 1000., "step"), (110., 450., "aten::item"), (115., 130., "cudaStreamSynchronize"),
            (490., 520., "aten::add")]
     idle, gaps = idle_gaps(busy, ops, window=(0., 700.), min_gap=50.)
     assert idle == 280. + 10. + 100.   # the tail after the last kernel counts as idle too
-    assert gaps == [(120., 280., "cudaStreamSynchronize"), (600., 100., "step")]
+    assert gaps == [(120., 280., ["step", "aten::item", "cudaStreamSynchronize"]), (600., 100., ["step"])]
     # a window starting later shifts the reported start and clips the busy time
     idle, gaps = idle_gaps(busy, ops, window=(200., 700.), min_gap=50.)
-    assert idle == 200. + 10. + 100. and gaps[0] == (0., 200., "aten::item")
+    assert idle == 200. + 10. + 100. and gaps[0] == (0., 200., ["step", "aten::item"])
+
+
+def test_where_names_the_innermost_op_then_the_innermost_python_frames() -> None:
+    chain = ["trainer/train.py(300): train", "trainer/train.py(190): _micro_step", "aten::to", "aten::copy_",
+             "torch/utils/data/dataloader.py(700): __next__", "aten::copy_"]
+    assert where(chain) == ("aten::copy_ < torch/utils/data/dataloader.py(700): __next__ < "
+                            "trainer/train.py(190): _micro_step < trainer/train.py(300): train")
+    assert where(chain, frames=1) == "aten::copy_ < torch/utils/data/dataloader.py(700): __next__"
+    assert where(["trainer/train.py(190): _micro_step"]) == "trainer/train.py(190): _micro_step"
+    assert where([]) == "-"
+
+
+def test_launching_thread_is_the_one_that_launched_most_kernels() -> None:
+    events = [SimpleNamespace(name="cudaLaunchKernel", thread=7), SimpleNamespace(name="cuLaunchKernelEx", thread=7),
+              SimpleNamespace(name="cudaLaunchKernel", thread=3), SimpleNamespace(name="aten::copy_", thread=3),
+              SimpleNamespace(name="aten::copy_", thread=3)]
+    assert launching_thread(events) == 7
+    assert launching_thread([SimpleNamespace(name="aten::mm", thread=1)]) is None
 
 
 def test_merged_covers_overlaps_once() -> None:

@@ -19,6 +19,7 @@ further one gets a plain-step line at the first recompute setting.
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import heapq
 import os
@@ -37,6 +38,8 @@ from vision.attention import BACKENDS, cuda_backend
 # of a step's calls read host tensors (block masks, chunk tables), 191 of them at 32K against 4 stream syncs.
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "Memcpy DtoH (Device -> Pageable)",
             "Memcpy DtoH (Device -> Pinned)")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+PY_FRAME = re.compile(r"\.py\(\d+\): ")  # a Python frame's event name under with_stack=True
 
 
 # Kernel kinds by name, first match wins: ours and FlexAttention's Triton kernels before Inductor's generic prefixes.
@@ -95,9 +98,9 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def idle_gaps(busy: list[tuple[float, float]], cpu_ops: list[tuple[float, float, str]], window: tuple[float, float],
-              min_gap: float = 200.0) -> tuple[float, list[tuple[float, float, str]]]:
+              min_gap: float = 200.0) -> tuple[float, list[tuple[float, float, list[str]]]]:
     """The GPU's idle time inside ``window`` (µs) and each gap of at least ``min_gap`` µs as (start, length, the
-    innermost CPU op running when it began, or "-"): what the host was doing while the GPU waited.
+    CPU ops running when it began, outermost first; empty if none): what the host was doing while the GPU waited.
 
     ``busy``: device activity (kernels, copies, memsets) as ``(start, end)``; ``cpu_ops``: ``(start, end, name)``."""
     lo, hi = window
@@ -115,30 +118,50 @@ def idle_gaps(busy: list[tuple[float, float]], cpu_ops: list[tuple[float, float,
             i += 1
         while active and active[0][0] <= start:
             heapq.heappop(active)
-        named.append((start - lo, length, min(active, key=lambda op: op[1])[2] if active else "-"))
+        named.append((start - lo, length, [op[2] for op in sorted(active, key=lambda op: -op[1])]))
     return idle, named
 
 
+def launching_thread(events) -> int | None:  # noqa: ANN001 - torch.autograd.profiler_util.EventList
+    """The thread that launched the most kernels: the one whose stalls leave the GPU idle (the loader's pin-memory
+    thread and autograd's own threads run ops too)."""
+    threads = collections.Counter(e.thread for e in events if e.name in LAUNCHES)
+    return threads.most_common(1)[0][0] if threads else None
+
+
+def where(chain: list[str], frames: int = 3) -> str:
+    """A gap's host chain in one line: the innermost op, then the innermost Python frames (``file(line): fn``,
+    recorded when profiling ``with_stack=True``) innermost first."""
+    if not chain:
+        return "-"
+    python = [name for name in chain if PY_FRAME.search(name)]
+    return " < ".join([chain[-1]] + [name for name in reversed(python) if name != chain[-1]][:frames])
+
+
 def idle_lines(prof: profile, top: int = 15) -> list[str]:
-    """The GPU's idle time over the profiled window and its largest gaps, each with the host op that was running
-    (its innermost CPU op): a step whose wall time exceeds its kernels' time waits on the host somewhere."""
+    """The GPU's idle time over the profiled window and its largest gaps, each with what the launching thread was
+    running (its innermost op and, with stacks, Python frames): a step whose wall time exceeds its kernels' time
+    waits on the host somewhere."""
     events = prof.events()
     cuda = torch.autograd.DeviceType.CUDA
     busy = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda]
-    cpu = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type != cuda]
+    thread = launching_thread(events)
+    cpu = [(e.time_range.start, e.time_range.end, e.name) for e in events
+           if e.device_type != cuda and e.thread == thread]
     if not busy or not cpu:
         return ["GPU idle time: no device events"]
     window = (min(a for a, _, _ in cpu), max(b for _, b, _ in cpu))
     idle, gaps = idle_gaps(busy, cpu, window)
-    by_op: dict[str, list[float]] = {}
-    for _, length, name in gaps:
-        by_op.setdefault(name, []).append(length)
+    by_site: dict[str, list[float]] = {}
+    for _, length, chain in gaps:
+        by_site.setdefault(where(chain, frames=1), []).append(length)
     lines = [f"GPU idle {idle / 1e3:.1f} ms of the {(window[1] - window[0]) / 1e3:.1f} ms profiled; gaps of 0.2 ms "
-             f"or more: {len(gaps)}, {sum(g[1] for g in gaps) / 1e3:.1f} ms. By the host op running as each began:"]
-    for name, lengths in sorted(by_op.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"  {sum(lengths) / 1e3:9.1f} ms {len(lengths):5d} gaps  {name[:90]}")
-    lines.append("largest gaps (ms from the window's start, ms idle, host op):")
-    lines += [f"  {start / 1e3:10.1f} {length / 1e3:8.1f}  {name[:90]}" for start, length, name in
+             f"or more: {len(gaps)}, {sum(g[1] for g in gaps) / 1e3:.1f} ms. By what the launching thread ran as "
+             "each began (innermost op < Python frame):"]
+    for site, lengths in sorted(by_site.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(lengths) / 1e3:9.1f} ms {len(lengths):5d} gaps  {site[:160]}")
+    lines.append("largest gaps (ms from the window's start, ms idle, innermost op < Python frames):")
+    lines += [f"  {start / 1e3:10.1f} {length / 1e3:8.1f}  {where(chain)[:300]}" for start, length, chain in
               sorted(gaps, key=lambda g: -g[1])[:top]]
     return lines
 
