@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer.model.profile import bucket, idle_gaps, kernel_rows, launching_thread, merged, where
+from trainer.model.profile import bucket, host_chains, idle_gaps, kernel_rows, launching_thread, merged, where
 
 
 def test_kernel_names_fall_into_their_kinds() -> None:
@@ -41,16 +41,24 @@ def test_kernel_rows_are_per_step_and_gpu_only() -> None:
                                             ("inductor fused", "triton_poi_fused_add_0", 3.0, 1.5)]
 
 
-def test_idle_gaps_give_the_host_ops_running_as_each_began() -> None:
+def test_idle_gaps_clip_to_the_window_and_count_the_tail() -> None:
     busy = [(0., 100.), (50., 120.), (400., 500.), (510., 600.)]   # overlapping kernels merge; gaps 120-400, 500-510
-    ops = [(0., 1000., "step"), (110., 450., "aten::item"), (115., 130., "cudaStreamSynchronize"),
-           (490., 520., "aten::add")]
-    idle, gaps = idle_gaps(busy, ops, window=(0., 700.), min_gap=50.)
+    idle, gaps = idle_gaps(busy, window=(0., 700.), min_gap=50.)
     assert idle == 280. + 10. + 100.   # the tail after the last kernel counts as idle too
-    assert gaps == [(120., 280., ["step", "aten::item", "cudaStreamSynchronize"]), (600., 100., ["step"])]
-    # a window starting later shifts the reported start and clips the busy time
-    idle, gaps = idle_gaps(busy, ops, window=(200., 700.), min_gap=50.)
-    assert idle == 200. + 10. + 100. and gaps[0] == (0., 200., ["step", "aten::item"])
+    assert gaps == [(120., 280.), (600., 100.)]
+    idle, gaps = idle_gaps(busy, window=(200., 700.), min_gap=50.)
+    assert idle == 200. + 10. + 100. and gaps[0] == (200., 200.)
+
+
+def test_host_chains_give_the_ops_running_as_each_gap_began_and_those_that_took_it() -> None:
+    ops = [(0., 1000., "step"), (110., 450., "aten::item"), (115., 130., "cudaStreamSynchronize"),
+           (130., 390., "loader.py(9): __next__"), (140., 300., "aten::copy_"), (490., 520., "aten::add")]
+    chains = host_chains(ops, [(120., 280.), (600., 100.)])
+    assert chains[0] == (["step", "aten::item", "cudaStreamSynchronize"],
+                         ["step", "aten::item", "loader.py(9): __next__", "aten::copy_"])
+    assert chains[1] == (["step"], ["step"])
+    # an op that covers less than half the gap is left out, however it nests
+    assert host_chains(ops, [(100., 400.)])[0][1] == ["step", "aten::item", "loader.py(9): __next__"]
 
 
 def test_where_names_the_innermost_op_then_the_innermost_python_frames() -> None:

@@ -19,6 +19,7 @@ further one gets a plain-step line at the first recompute setting.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import csv
 import heapq
@@ -97,12 +98,11 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def idle_gaps(busy: list[tuple[float, float]], cpu_ops: list[tuple[float, float, str]], window: tuple[float, float],
-              min_gap: float = 200.0) -> tuple[float, list[tuple[float, float, list[str]]]]:
-    """The GPU's idle time inside ``window`` (µs) and each gap of at least ``min_gap`` µs as (start, length, the
-    CPU ops running when it began, outermost first; empty if none): what the host was doing while the GPU waited.
+def idle_gaps(busy: list[tuple[float, float]], window: tuple[float, float],
+              min_gap: float = 200.0) -> tuple[float, list[tuple[float, float]]]:
+    """The GPU's idle time inside ``window`` (µs) and each gap of at least ``min_gap`` µs as ``(start, length)``.
 
-    ``busy``: device activity (kernels, copies, memsets) as ``(start, end)``; ``cpu_ops``: ``(start, end, name)``."""
+    ``busy``: device activity (kernels, copies, memsets) as ``(start, end)``."""
     lo, hi = window
     idle, gaps, cursor = 0.0, [], lo
     for start, end in merged([(max(a, lo), min(b, hi)) for a, b in busy if b > lo and a < hi]) + [(hi, hi)]:
@@ -111,27 +111,41 @@ def idle_gaps(busy: list[tuple[float, float]], cpu_ops: list[tuple[float, float,
             if start - cursor >= min_gap:
                 gaps.append((cursor, start - cursor))
         cursor = max(cursor, end)
-    ops, named, active, i = sorted(cpu_ops), [], [], 0
-    for start, length in gaps:  # a sweep: the ops begun by each gap's start, minus those ended by then
+    return idle, gaps
+
+
+def host_chains(ops: list[tuple[float, float, str]], gaps: list[tuple[float, float]],
+                share: float = 0.5) -> list[tuple[list[str], list[str]]]:
+    """For each gap ``(start, length)``, the ops of one thread (``(start, end, name)``, nested as a call stack) that
+    were running as it began, and those that took at least ``share`` of it (they nest too: two disjoint ops cannot
+    both cover more than half); each list outermost first. The second says where the host spent the gap."""
+    ops = sorted(ops)
+    starts = [op[0] for op in ops]
+    chains, active, i = [], [], 0
+    for start, length in sorted(gaps):  # a sweep: the ops begun by each gap's start, minus those ended by then
         while i < len(ops) and ops[i][0] <= start:
-            heapq.heappush(active, (ops[i][1], ops[i][1] - ops[i][0], ops[i][2]))
+            heapq.heappush(active, (ops[i][1], ops[i][0], ops[i][2]))
             i += 1
         while active and active[0][0] <= start:
             heapq.heappop(active)
-        named.append((start - lo, length, [op[2] for op in sorted(active, key=lambda op: -op[1])]))
-    return idle, named
+        end = start + length
+        inside = ops[i:bisect.bisect_left(starts, end, lo=i)]
+        spent = [(b, a, name) for a, b, name in inside] + active
+        chains.append(([op[2] for op in sorted(active, key=lambda op: op[1] - op[0])],
+                       [name for b, a, name in sorted(spent, key=lambda op: op[1] - op[0])
+                        if min(b, end) - max(a, start) >= share * length]))
+    return chains
 
 
 def launching_thread(events) -> int | None:  # noqa: ANN001 - torch.autograd.profiler_util.EventList
-    """The thread that launched the most kernels: the one whose stalls leave the GPU idle (the loader's pin-memory
-    thread and autograd's own threads run ops too)."""
+    """The thread that launched the most kernels (autograd's device thread runs the backward's)."""
     threads = collections.Counter(e.thread for e in events if e.name in LAUNCHES)
     return threads.most_common(1)[0][0] if threads else None
 
 
 def where(chain: list[str], frames: int = 3) -> str:
-    """A gap's host chain in one line: the innermost op, then the innermost Python frames (``file(line): fn``,
-    recorded when profiling ``with_stack=True``) innermost first."""
+    """A host chain in one line: the innermost op, then the innermost Python frames (``file(line): fn``, recorded
+    when profiling ``with_stack=True``) innermost first."""
     if not chain:
         return "-"
     python = [name for name in chain if PY_FRAME.search(name)]
@@ -139,30 +153,41 @@ def where(chain: list[str], frames: int = 3) -> str:
 
 
 def idle_lines(prof: profile, top: int = 15) -> list[str]:
-    """The GPU's idle time over the profiled window and its largest gaps, each with what the launching thread was
-    running (its innermost op and, with stacks, Python frames): a step whose wall time exceeds its kernels' time
-    waits on the host somewhere."""
+    """The GPU's idle time over the profiled window and its largest gaps, each with where the main thread spent it
+    and what the kernel-launching thread (autograd's, in the backward) was running as it began: a step whose wall
+    time exceeds its kernels' time waits on the host somewhere."""
     events = prof.events()
     cuda = torch.autograd.DeviceType.CUDA
     busy = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda]
-    thread = launching_thread(events)
-    cpu = [(e.time_range.start, e.time_range.end, e.name) for e in events
-           if e.device_type != cuda and e.thread == thread]
+    cpu = [e for e in events if e.device_type != cuda]
     if not busy or not cpu:
         return ["GPU idle time: no device events"]
-    window = (min(a for a, _, _ in cpu), max(b for _, b, _ in cpu))
-    idle, gaps = idle_gaps(busy, cpu, window)
+    main = max(cpu, key=lambda e: e.time_range.end - e.time_range.start).thread  # it runs the whole profiled step
+    launcher = launching_thread(events)
+    window = (min(e.time_range.start for e in cpu), max(e.time_range.end for e in cpu))
+    idle, gaps = idle_gaps(busy, window)
+    gaps.sort()
+
+    def chains(thread: int | None) -> list[tuple[list[str], list[str]]]:
+        ops = [(e.time_range.start, e.time_range.end, e.name) for e in cpu if e.thread == thread]
+        return host_chains(ops, gaps)
+
+    spent = [where(chain) for _, chain in chains(main)]
+    began = [where(chain) for chain, _ in chains(launcher)] if launcher != main else ["-"] * len(gaps)
     by_site: dict[str, list[float]] = {}
-    for _, length, chain in gaps:
-        by_site.setdefault(where(chain, frames=1), []).append(length)
+    for (_, length), chain in zip(gaps, spent):
+        by_site.setdefault(" < ".join(chain.split(" < ")[:2]), []).append(length)
     lines = [f"GPU idle {idle / 1e3:.1f} ms of the {(window[1] - window[0]) / 1e3:.1f} ms profiled; gaps of 0.2 ms "
-             f"or more: {len(gaps)}, {sum(g[1] for g in gaps) / 1e3:.1f} ms. By what the launching thread ran as "
-             "each began (innermost op < Python frame):"]
+             f"or more: {len(gaps)}, {sum(g[1] for g in gaps) / 1e3:.1f} ms. By where the main thread spent each "
+             "(innermost op < Python frame):"]
     for site, lengths in sorted(by_site.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"  {sum(lengths) / 1e3:9.1f} ms {len(lengths):5d} gaps  {site[:160]}")
-    lines.append("largest gaps (ms from the window's start, ms idle, innermost op < Python frames):")
-    lines += [f"  {start / 1e3:10.1f} {length / 1e3:8.1f}  {where(chain)[:300]}" for start, length, chain in
-              sorted(gaps, key=lambda g: -g[1])[:top]]
+        lines.append(f"  {sum(lengths) / 1e3:9.1f} ms {len(lengths):5d} gaps  {site[:200]}")
+    lines.append("largest gaps (ms from the window's start, ms idle; where the main thread spent it; what the "
+                 "launching thread ran as it began):")
+    for k in sorted(range(len(gaps)), key=lambda k: -gaps[k][1])[:top]:
+        lines.append(f"  {(gaps[k][0] - window[0]) / 1e3:10.1f} {gaps[k][1] / 1e3:8.1f}  main: {spent[k][:300]}")
+        if began[k] != "-":
+            lines.append(f"  {'':20}launcher: {began[k][:300]}")
     return lines
 
 
