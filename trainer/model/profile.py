@@ -184,11 +184,32 @@ def idle_lines(prof: profile, top: int = 15) -> list[str]:
         lines.append(f"  {sum(lengths) / 1e3:9.1f} ms {len(lengths):5d} gaps  {site[:200]}")
     lines.append("largest gaps (ms from the window's start, ms idle; where the main thread spent it; what the "
                  "launching thread ran as it began):")
-    for k in sorted(range(len(gaps)), key=lambda k: -gaps[k][1])[:top]:
+    largest = sorted(range(len(gaps)), key=lambda k: -gaps[k][1])
+    for k in largest[:top]:
         lines.append(f"  {(gaps[k][0] - window[0]) / 1e3:10.1f} {gaps[k][1] / 1e3:8.1f}  main: {spent[k][:300]}")
         if began[k] != "-":
             lines.append(f"  {'':20}launcher: {began[k][:300]}")
+    for k in largest[:3]:
+        lines += overlap_lines(cpu, gaps[k], window[0], main, launcher)
     return lines
+
+
+def overlap_lines(cpu, gap: tuple[float, float], origin: float, main: int, launcher: int | None,  # noqa: ANN001
+                  rows: int = 30) -> list[str]:
+    """Every thread's host events that overlap one gap by 1 ms or a tenth of it, by thread then start: the whole
+    host picture of a gap, when the chosen threads' chains say little."""
+    start, end = gap[0], gap[0] + gap[1]
+    least = min(1e3, 0.1 * gap[1])
+    hits = sorted((e.thread, e.time_range.start, e.time_range.end, e.name) for e in cpu
+                  if min(e.time_range.end, end) - max(e.time_range.start, start) >= least)
+    role = {main: "main", launcher: "launcher"}
+    out = [f"host events over the gap at {(start - origin) / 1e3:.1f} ms ({gap[1] / 1e3:.1f} ms; thread, ms from the "
+           "gap's start, ms long, name):"]
+    out += [f"    {role.get(t, t)!s:>10} {(a - start) / 1e3:9.1f} {(b - a) / 1e3:9.1f}  {name[:150]}"
+            for t, a, b, name in hits[:rows]]
+    if len(hits) > rows:
+        out.append(f"    … {len(hits) - rows} more")
+    return out
 
 
 def summary(prof: profile, steps: int, rows: int, shapes: bool = False) -> str:
