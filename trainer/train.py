@@ -26,7 +26,7 @@ from kernels.moe import step_moe_balance
 from trainer.config import TrainConfig, load_train_config, recompute_label
 from trainer.curriculum import StageError, advance, check_fingerprints, plan_stage, stage_manifest
 from trainer.data.loader import build_loader
-from trainer.engine import build_engine, deepspeed_config, init_distributed, set_stage_batch
+from trainer.engine import build_engine, deepspeed_config, init_distributed, one_host_thread, set_stage_batch
 from trainer.metrics import MetricsWriter, truncate_metrics
 from trainer.model.config import preset
 from trainer.model.flops import mfu, training_flops
@@ -104,11 +104,7 @@ class Trainer:
         self.rank, self.world_size, _ = init_distributed()
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.bf16 = config.bf16 and torch.cuda.is_available()  # the CPU path trains in fp32
-        if self.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
-            # This process only launches GPU work and reads host metadata; its CPU ops are small. With a thread per
-            # core they contend with the loader's workers: on the H200 machine each host op over an 8k micro-batch's
-            # ~100K patches took 8 ms. torchrun sets the same default.
-            torch.set_num_threads(1)
+        one_host_thread(self.device)
         first = config.stages[0]
         if self.rank == 0 and not run.fingerprints_path.is_file():
             manifest = stage_manifest(config, first)

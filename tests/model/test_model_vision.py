@@ -78,6 +78,14 @@ def test_patch_positions_follow_the_merger_order() -> None:
     assert int(pos[:24, 0].max()) == 3 and int(pos[:24, 1].max()) == 5
 
 
+@pytest.mark.gpu
+def test_patch_positions_built_on_the_gpu_match_the_host() -> None:
+    grid = torch.tensor([[2, 3], [1, 1], [4, 2]])
+    on_gpu = patch_positions(grid, merge=2, device="cuda")
+    assert on_gpu.is_cuda
+    assert torch.equal(on_gpu.cpu(), patch_positions(grid, merge=2))
+
+
 def test_images_in_one_pack_do_not_see_each_other() -> None:
     """Image 2's tokens are the same whatever image 1 holds, and the same as when encoded alone."""
     rng = np.random.default_rng()

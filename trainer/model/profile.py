@@ -29,6 +29,7 @@ import re
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from trainer.engine import one_host_thread
 from trainer.model import LongweaveModel, preset
 from trainer.model.flops import mfu, training_flops
 from trainer.model.synthetic import IMAGE_GRIDS, synthetic_batch
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.attention:
         os.environ["LONGWEAVE_ATTENTION"] = args.attention[0]
+    one_host_thread(torch.device("cuda"))  # as the trainer runs
     torch.manual_seed(0)
     with torch.device("cuda"):
         config = preset(args.preset)
