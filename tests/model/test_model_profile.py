@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer.model.profile import bucket, host_chains, idle_gaps, kernel_rows, launching_thread, merged, where
+from trainer.model.profile import (bucket, host_chains, idle_gaps, kernel_rows, kernel_sites, launching_thread, merged,
+                                   where)
 
 
 def test_kernel_names_fall_into_their_kinds() -> None:
@@ -81,3 +82,31 @@ def test_launching_thread_is_the_one_that_launched_most_kernels() -> None:
 
 def test_merged_covers_overlaps_once() -> None:
     assert merged([(5., 6.), (0., 2.), (1., 3.), (3., 4.)]) == [(0., 4.), (5., 6.)]
+
+
+def _event(name: str, thread: int, start: float, end: float, kernels=()) -> SimpleNamespace:  # noqa: ANN001
+    return SimpleNamespace(name=name, thread=thread, device_type=torch.autograd.DeviceType.CPU,
+                           time_range=SimpleNamespace(start=start, end=end),
+                           kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels])
+
+
+def test_kernel_sites_name_the_op_then_its_autograd_node_or_python_frame() -> None:
+    add = "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>"
+    copy = "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>"
+    events = [
+        _event("trainer/model/attn_res.py(117): add", 1, 0., 50.),
+        _event("aten::add", 1, 10., 20., [(add, 7.)]),
+        _event("trainer/model/kda.py(121): _mix", 1, 60., 90.),
+        _event("aten::clone", 1, 61., 80.),
+        _event("aten::copy_", 1, 62., 79., [(copy, 4.)]),
+        _event("aten::mm", 1, 82., 85., [("nvjet_sm90_tst_256x128", 30.)]),   # a GEMM: not a kind asked for
+        # the backward, on autograd's thread: the node names the site
+        _event("autograd::engine::evaluate_function: AddBackward0", 2, 100., 130.),
+        _event("aten::add", 2, 101., 110., [(add, 5.), (add, 6.)]),
+        _event("autograd::engine::evaluate_function: AddBackward0", 2, 140., 150.),
+        _event("aten::add", 2, 141., 149., [(add, 1.)]),
+    ]
+    sites = kernel_sites(events, ("eager elementwise", "copy"))
+    assert sites == {("eager elementwise", "aten::add < trainer/model/attn_res.py(117): add"): [7., 1],
+                     ("copy", "aten::copy_ < trainer/model/kda.py(121): _mix"): [4., 1],
+                     ("eager elementwise", "aten::add < AddBackward0"): [12., 3]}

@@ -42,6 +42,7 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "Memcpy DtoH (Devi
             "Memcpy DtoH (Device -> Pinned)")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 PY_FRAME = re.compile(r"\.py\(\d+\): ")  # a Python frame's event name under with_stack=True
+AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
 
 
 # Kernel kinds by name, first match wins: ours and FlexAttention's Triton kernels before Inductor's generic prefixes.
@@ -76,6 +77,48 @@ def bucket_lines(rows: list[tuple[str, str, float, float]]) -> list[str]:
         mine = [r for r in rows if r[0] == kind]
         ms = sum(r[3] for r in mine)
         lines.append(f"  {kind:18s} {ms:9.2f} ms {ms / total:6.1%}  {sum(r[2] for r in mine):8.0f} launches")
+    return lines
+
+
+def kernel_sites(events, kinds: tuple[str, ...]) -> dict[tuple[str, str], list[float]]:  # noqa: ANN001
+    """GPU time (µs) and launches of the kernels of ``kinds``, by the host site that launched them: the launching
+    op, then the innermost autograd node running it (a backward op) or else the innermost Python frame (recorded
+    under ``with_stack``). Events of one thread nest like a call stack, so one sweep per thread finds each op's
+    enclosing ones."""
+    by_thread: dict[int, list] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            by_thread.setdefault(e.thread, []).append(e)
+    sites: dict[tuple[str, str], list[float]] = {}
+    for ops in by_thread.values():
+        ops.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
+        stack: list = []
+        for e in ops:
+            while stack and stack[-1].time_range.end <= e.time_range.start:
+                stack.pop()
+            stack.append(e)
+            for kernel in e.kernels:
+                kind = bucket(kernel.name)
+                if kind not in kinds:
+                    continue
+                node = next((f.name for f in reversed(stack) if f.name.startswith(AUTOGRAD_NODE)), None)
+                frame = node or next((f.name for f in reversed(stack) if PY_FRAME.search(f.name)), "-")
+                entry = sites.setdefault((kind, f"{e.name} < {frame.removeprefix(AUTOGRAD_NODE)}"), [0.0, 0])
+                entry[0] += kernel.duration
+                entry[1] += 1
+    return sites
+
+
+def site_lines(prof: profile, steps: int, kinds: tuple[str, ...] = ("eager elementwise", "copy",
+                                                                      "routing & indexing"), top: int = 12) -> list[str]:
+    """The largest launch sites of the small-kernel kinds: which code their GPU time comes from."""
+    sites = kernel_sites(prof.events(), kinds)
+    lines = []
+    for kind in kinds:
+        mine = sorted(((v[0], v[1], site) for (k, site), v in sites.items() if k == kind), reverse=True)
+        lines.append(f"{kind} kernels by launch site (GPU ms and launches per step; op < autograd node or Python "
+                     "frame):")
+        lines += [f"  {us / steps / 1e3:9.2f} ms {n / steps:7.0f}  {site[:200]}" for us, n, site in mine[:top]]
     return lines
 
 
@@ -223,6 +266,7 @@ def summary(prof: profile, steps: int, rows: int, shapes: bool = False) -> str:
         parts.append(prof.key_averages(group_by_input_shape=True).table(
             sort_by="cuda_time_total", row_limit=rows, max_name_column_width=40, max_shapes_column_width=90))
     parts += bucket_lines(kernel_rows(events, steps))
+    parts += site_lines(prof, steps)
     parts.append("host-device synchronisations per step:")
     parts += [f"  {e.key:30s} {e.count / steps:8.1f} calls, {e.cpu_time_total / steps / 1e3:8.1f} ms"
               for e in events if e.key in SYNC_OPS]
