@@ -41,7 +41,7 @@ if [ "${STAGE:-1}" = 1 ]; then
     > "$OUT/train.log" 2>&1
   kill $copier
   cp /tmp/run/metrics.jsonl /tmp/run/profile-step* "$OUT/" 2>/dev/null
-  grep "INFO.*step [0-9]" "$OUT/train.log" | tail -4
+  grep "INFO.*step [0-9]" "$OUT/train.log" | tail -6
   grep -i -m5 "error\|out of memory" "$OUT/train.log"
   sed -n '/GPU time per step by kind/,$p' "$OUT"/profile-step*.txt 2>/dev/null
 fi

@@ -249,7 +249,7 @@ def test_device_recipe_of_8k_with_two_layers_recomputed() -> None:
     config = load_train_config(Path(__file__).parents[2] / "devrun" / "gpu_small_8k_ac2.yaml")
     plans = [plan_stage(config, stage, world_size=1) for stage in config.stages]
     assert [(p.stage, p.micro_batch, p.grad_accum, p.steps, p.activation_checkpointing) for p in plans] == [
-        ("8k", 16, 8, 3, 2)] and config.profile_step == 3
+        ("8k", 16, 8, 5, 2)] and config.profile_step == 5
 
 
 def test_engine_leaves_the_device_queue_alone() -> None:
