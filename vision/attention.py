@@ -3,7 +3,8 @@ decoder's MLA layers.
 
 Both pack many variable-length segments into one sequence to avoid padding. The mask is built once per forward from
 ``cu_seqlens`` and shared by every layer. On CUDA there are two kernels for it, picked by ``LONGWEAVE_ATTENTION``
-(``varlen`` or ``flex``; unset: ``DEFAULT_CUDA_BACKEND``): PyTorch's variable-length flash attention
+(``varlen`` or ``flex``, or ``flex/varlen`` for one per kind of mask, causal then bidirectional; unset:
+``DEFAULT_CUDA_BACKEND``): PyTorch's variable-length flash attention
 (``torch.nn.attention.varlen``), which walks each segment's own tiles from ``cu_seqlens``, or FlexAttention with a
 ``BlockMask`` in which blocks that cross a segment boundary (or lie above the diagonal when causal) are skipped. Either
 way cost and memory follow the segments, not the whole length squared. Elsewhere attention runs segment by segment
@@ -24,11 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["DocumentMask", "document_block_mask", "document_ids", "document_mask", "document_attention",
-           "varlen_flash_attention"]
+__all__ = ["DocumentMask", "backend_for", "cuda_backend", "document_block_mask", "document_ids", "document_mask",
+           "document_attention", "varlen_flash_attention"]
 
 TILE = 128  # FlexAttention's default block size, both ways
 BACKENDS = ("varlen", "flex")
+# LONGWEAVE_ATTENTION's values: one backend for both kinds of mask, or ``CAUSAL/BIDIRECTIONAL`` (the decoder's, then
+# the vision tower's), since each kernel won one kind in isolation and lost the pair inside the model.
+SETTINGS = BACKENDS + tuple(f"{a}/{b}" for a in BACKENDS for b in BACKENDS if a != b)
 # In the model the varlen kernels win: `small` at 131K tokens stepped in 1,234 ms with them against 1,330 ms with
 # FlexAttention (H200, 2026-12-04, `trainer.model.profile --attention varlen flex`), and the 8k stage's attention
 # took 1.34 s per step against FlexAttention's 2.92 s (sixth session), although FlexAttention is faster in the
@@ -117,11 +121,18 @@ def _varlen_parameters() -> frozenset[str]:
 
 
 def cuda_backend() -> str:
-    """``LONGWEAVE_ATTENTION`` if set (one of ``BACKENDS``), else ``DEFAULT_CUDA_BACKEND``."""
+    """``LONGWEAVE_ATTENTION`` if set (one of ``SETTINGS``), else ``DEFAULT_CUDA_BACKEND``."""
     name = os.environ.get("LONGWEAVE_ATTENTION", DEFAULT_CUDA_BACKEND)
-    if name not in BACKENDS:
-        raise ValueError(f"LONGWEAVE_ATTENTION: must be one of {BACKENDS}, got {name!r}")
+    if name not in SETTINGS:
+        raise ValueError(f"LONGWEAVE_ATTENTION: must be one of {SETTINGS}, got {name!r}")
     return name
+
+
+def backend_for(causal: bool) -> str:
+    """The kernel ``cuda_backend()`` gives causal masks (the decoder's documents) or bidirectional ones (the vision
+    tower's images): a setting ``CAUSAL/BIDIRECTIONAL`` names one for each."""
+    causal_kind, _, bidirectional = cuda_backend().partition("/")
+    return causal_kind if causal or not bidirectional else bidirectional
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,7 +160,7 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, backend
 
     ``cu_seqlens`` is checked (and the CPU path's bounds and the longest segment read) on the host: pass it on the
     CPU and nothing waits for the GPU; a CUDA one costs one sync. ``backend``: ``"varlen"``, ``"flex"`` or
-    ``"segments"`` (the per-segment path); default ``cuda_backend()`` on CUDA, ``"segments"`` elsewhere. The flex
+    ``"segments"`` (the per-segment path); default ``backend_for(causal)`` on CUDA, ``"segments"`` elsewhere. The flex
     block mask is read off the segment bounds (``document_block_mask``), so 1M-token masks stay cheap.
     """
     device = torch.device(cu_seqlens.device if device is None else device)
@@ -162,7 +173,7 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, backend
     cu_device = cu_seqlens.to(device, torch.int32, non_blocking=True)
     doc = document_ids(cu_device, total)
     if backend is None:
-        backend = cuda_backend() if doc.is_cuda else "segments"
+        backend = backend_for(causal) if doc.is_cuda else "segments"
     if backend == "varlen":
         longest = max(b - a for a, b in zip(cuts, cuts[1:]))
         return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, bounds=(), cu_seqlens=cu_device,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vision.attention import BACKENDS, cuda_backend, document_attention, document_mask
+from vision.attention import BACKENDS, backend_for, cuda_backend, document_attention, document_mask
 
 
 def test_varlen_mask_carries_device_bounds_and_the_longest_segment() -> None:
@@ -21,10 +21,13 @@ def test_unknown_backends_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="backend must be varlen, flex or segments, got 'dense'"):
         document_mask(cu, 4, causal=True, backend="dense", device="cpu")
     monkeypatch.setenv("LONGWEAVE_ATTENTION", "sdpa")
-    with pytest.raises(ValueError, match=r"LONGWEAVE_ATTENTION: must be one of \('varlen', 'flex'\), got 'sdpa'"):
+    with pytest.raises(ValueError, match=r"LONGWEAVE_ATTENTION: must be one of \('varlen', 'flex', 'varlen/flex', "
+                                         r"'flex/varlen'\), got 'sdpa'"):
         cuda_backend()
     monkeypatch.setenv("LONGWEAVE_ATTENTION", "flex")
-    assert cuda_backend() == "flex"
+    assert cuda_backend() == "flex" and backend_for(causal=True) == backend_for(causal=False) == "flex"
+    monkeypatch.setenv("LONGWEAVE_ATTENTION", "flex/varlen")  # the decoder's causal masks, then the vision tower's
+    assert backend_for(causal=True) == "flex" and backend_for(causal=False) == "varlen"
     monkeypatch.delenv("LONGWEAVE_ATTENTION")
     assert cuda_backend() == "varlen"   # the model's faster one on the H200 (DEFAULT_CUDA_BACKEND)
 

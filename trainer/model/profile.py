@@ -34,7 +34,7 @@ from trainer.model import LongweaveModel, preset
 from trainer.model.flops import mfu, training_flops
 from trainer.model.synthetic import IMAGE_GRIDS, synthetic_batch
 from trainer.model.timing import timed_forward_backward
-from vision.attention import BACKENDS, cuda_backend
+from vision.attention import SETTINGS, cuda_backend
 
 # What stalls the launch queue: explicit synchronisations and device-to-host copies. `aten::item` is not listed: most
 # of a step's calls read host tensors (block masks, chunk tables), 191 of them at 32K against 4 stream syncs.
@@ -286,9 +286,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recompute-layers", type=int, nargs="+",
                         help="only the first N decoder layers recompute in the backward (0: none; default: the "
                              "preset's setting, every layer for small); several values: a sweep")
-    parser.add_argument("--attention", nargs="+", choices=BACKENDS,
+    parser.add_argument("--attention", nargs="+", choices=SETTINGS,
                         help="document attention kernels on CUDA (default: LONGWEAVE_ATTENTION or the module's "
-                             "default); several: the first is profiled, each further one timed")
+                             "default; CAUSAL/BIDIRECTIONAL: the decoder's, then the vision tower's); several: the "
+                             "first is profiled, each further one timed")
     args = parser.parse_args(argv)
     if args.attention:
         os.environ["LONGWEAVE_ATTENTION"] = args.attention[0]
