@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_res.naive import naive_attn_res_mix
-from kernels.tuning import configs
+from kernels.tuning import autotune
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SOURCES, MAX_WIDTH = 16, 8192
@@ -75,7 +75,7 @@ def column(x, o_n, i):
     return tl.sum(tl.where(o_n[None, :] == i, x, 0.), 1)
 
 
-@triton.autotune(configs=configs(FWD_SPACE), key=TUNING_KEY)
+@autotune(FWD_SPACE, key=TUNING_KEY)
 @triton.jit
 def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
                         BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
@@ -107,8 +107,8 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: 
              mask=m_t[:, None] & (o_n < N)[None, :])
 
 
-@triton.autotune(configs=configs(BWD_SPACE), key=TUNING_KEY, pre_hook=_snapshot_sums.before,
-                 post_hook=_snapshot_sums.after)
+@autotune(BWD_SPACE, key=TUNING_KEY, pre_hook=_snapshot_sums.before,
+          post_hook=_snapshot_sums.after)
 @triton.jit(do_not_specialize=["acc"])
 def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
                         NP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,

@@ -16,7 +16,7 @@ import triton.language as tl
 from kernels.kda.chunk_intra import anchor_columns, as_dot_reads, own_anchor_rows, sub_chunk_anchor, sub_chunk_rows
 from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chain_bucket
 from kernels.kda.gate import load_log_decay, log_decay_grad
-from kernels.tuning import configs, fit_v
+from kernels.tuning import autotune, fit_v
 
 
 @triton.jit
@@ -59,8 +59,8 @@ def chunk_kda_decay(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tup
     return qg, kd, gam
 
 
-@triton.autotune(configs(STATE_PASS_SPACE), key=["H", "K", "V", "CHAINS"],
-                 prune_configs_by={"early_config_prune": fit_v})
+@autotune(STATE_PASS_SPACE, key=["H", "K", "V", "CHAINS"],
+          prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dh_kernel(
     qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, order, scale, CHAINS,
@@ -123,8 +123,8 @@ DQKG_SPACE = [({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 4), ({"BV": 64, 
 DQKG_MIN_BK = min(meta["BK"] for meta, _ in DQKG_SPACE)
 
 
-@triton.autotune(configs(DA_SPACE), key=["H", "V"],
-                 prune_configs_by={"early_config_prune": fit_v})
+@autotune(DA_SPACE, key=["H", "V"],
+          prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dA_kernel(
     v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale,
@@ -162,8 +162,8 @@ def chunk_kda_bwd_dA_kernel(
     tl.store(dbeta + SLOT * T * H + rows * H + i_h, b_dbv, mask=m_t)
 
 
-@triton.autotune(configs(DQKG_SPACE), key=["H", "K", "V"], restore_value=["dbeta"],
-                 prune_configs_by={"early_config_prune": fit_v})
+@autotune(DQKG_SPACE, key=["H", "K", "V"], restore_value=["dbeta"],
+          prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dqkg_kernel(
     q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tuning import configs, fit_v
+from kernels.tuning import autotune, fit_v
 
 # The state pass is one chain of dependent chunk steps per (document, head). Few chains (one long sequence): narrow
 # V blocks shorten each step and occupy more SMs. Many chains (packed documents) fill the GPU anyway, and wide V
@@ -22,8 +22,8 @@ def chain_bucket(n_chains: int) -> int:
     return n_chains.bit_length()
 
 
-@triton.autotune(configs(STATE_PASS_SPACE), key=["H", "K", "V", "CHAINS"], restore_value=["u"],
-                 prune_configs_by={"early_config_prune": fit_v})
+@autotune(STATE_PASS_SPACE, key=["H", "K", "V", "CHAINS"], restore_value=["u"],
+          prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_fwd_h_kernel(
     qg, kd, gam, w, u, Aqk, o, h, h0, ht, cu_seqlens, chunk_offsets, order, scale, CHAINS,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import load_log_decay
-from kernels.tuning import configs, fit_v
+from kernels.tuning import autotune, fit_v
 
 # (BK, BV, num_warps). Smallest blocks first: the interpreter runs only the first entry, for every K and V.
 INTRA_SPACE = [({"BK": 32, "BV": 32}, 4), ({"BK": 32, "BV": 64}, 4), ({"BK": 32, "BV": 64}, 8),
@@ -94,7 +94,7 @@ def solve_unit_lower(b_L, BT: tl.constexpr, PREC: tl.constexpr):
     return b_T
 
 
-@triton.autotune(configs(INTRA_SPACE), key=["H", "K", "V"], prune_configs_by={"early_config_prune": fit_v})
+@autotune(INTRA_SPACE, key=["H", "K", "V"], prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_fwd_intra_kernel(
     q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, qg, kd, gam, chunks,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tuning import configs
+from kernels.tuning import autotune
 from kernels.short_conv.naive import naive_short_conv_silu
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -59,7 +59,7 @@ DA_SPACE = [({"BT": 16, "BC": 64}, 4), ({"BT": 16, "BC": 128}, 4), ({"BT": 8, "B
             ({"BT": 16, "BC": 256}, 8)]
 
 
-@triton.autotune(configs=configs(FWD_SPACE), key=["C", "W"])
+@autotune(FWD_SPACE, key=["C", "W"])
 @triton.jit
 def short_conv_fwd_kernel(x, w, pos, y, T, C, CG, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
@@ -70,7 +70,7 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, CG, stride_x, W: tl.constexpr, BT:
              mask=m_t[:, None] & m_c[None, :])
 
 
-@triton.autotune(configs=configs(DA_SPACE), key=["C", "W"])
+@autotune(DA_SPACE, key=["C", "W"])
 @triton.jit
 def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, CG, stride_x, W: tl.constexpr, WP: tl.constexpr,
                              ROWS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -104,7 +104,7 @@ def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, CG, stride_x, W: tl.co
     tl.store(dw + (i_t * C + o_c)[None, :] * W + o_w[:, None], tl.sum(b_terms, 0), mask=m_w[:, None] & m_c[None, :])
 
 
-@triton.autotune(configs=configs(FWD_SPACE), key=["C", "W"])
+@autotune(FWD_SPACE, key=["C", "W"])
 @triton.jit
 def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """dx[t] = Σ_j w[:, j] da[t + j] over the rows t + j whose tap j stays inside their document (pos ≥ j)."""

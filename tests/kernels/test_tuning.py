@@ -1,0 +1,24 @@
+"""The autotuning helpers every Triton kernel here is tuned through (``kernels.tuning``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from kernels import tuning
+
+
+def test_autotune_keeps_its_results_in_tritons_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict = {}
+
+    def fake_autotune(configs, key, **kwargs):  # noqa: ANN001, ANN202 - triton.autotune's signature
+        seen.update(configs=configs, key=key, **kwargs)
+        return lambda fn: fn
+
+    monkeypatch.setattr(triton, "autotune", fake_autotune)
+    tuning.autotune([({"BT": 2}, 8), ({"BT": 1}, 4)], key=["H"], restore_value=["u"])
+    assert seen["key"] == ["H"] and seen["restore_value"] == ["u"]
+    assert seen.get("cache_results") is True  # the pinned Triton supports it
+    # the whole space on a GPU, its first entry under the interpreter
+    expected = [({"BT": 2}, 8), ({"BT": 1}, 4)] if torch.cuda.is_available() else [({"BT": 2}, 8)]
+    assert [(c.kwargs, c.num_warps) for c in seen["configs"]] == expected
