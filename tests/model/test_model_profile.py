@@ -1,12 +1,13 @@
 """The profiler's kernel buckets: GPU kernel names as the H200 profiles printed them, sorted into kinds."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
 
-from trainer.model.profile import (bucket, host_chains, idle_gaps, kernel_rows, kernel_sites, launching_thread, merged,
-                                   where)
+from trainer.model.profile import (bucket, host_chains, idle_gaps, kernel_rows, kernel_sites, label, launching_thread,
+                                   merged, where)
 
 
 def test_kernel_names_fall_into_their_kinds() -> None:
@@ -84,9 +85,9 @@ def test_merged_covers_overlaps_once() -> None:
     assert merged([(5., 6.), (0., 2.), (1., 3.), (3., 4.)]) == [(0., 4.), (5., 6.)]
 
 
-def _event(name: str, thread: int, start: float, end: float, kernels=()) -> SimpleNamespace:  # noqa: ANN001
+def _event(name: str, thread: int, start: float, end: float, kernels=(), stack=()) -> SimpleNamespace:  # noqa: ANN001
     return SimpleNamespace(name=name, thread=thread, device_type=torch.autograd.DeviceType.CPU,
-                           time_range=SimpleNamespace(start=start, end=end),
+                           time_range=SimpleNamespace(start=start, end=end), stack=list(stack),
                            kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels])
 
 
@@ -105,8 +106,15 @@ def test_kernel_sites_name_the_op_then_its_autograd_node_or_python_frame() -> No
         _event("aten::add", 2, 101., 110., [(add, 5.), (add, 6.)]),
         _event("autograd::engine::evaluate_function: AddBackward0", 2, 140., 150.),
         _event("aten::add", 2, 141., 149., [(add, 1.)]),
+        # no Python-function events (torch 2.11): the op's own stack, torch's frames skipped
+        _event("aten::remainder", 3, 200., 208., [(add, 2.)],
+               stack=[f"{os.sep}torch{os.sep}_tensor.py(41): wrapped", "vision/encoder.py(40): patch_positions",
+                      "vision/encoder.py(150): forward"]),
     ]
     sites = kernel_sites(events, ("eager elementwise", "copy"))
     assert sites == {("eager elementwise", "aten::add < trainer/model/attn_res.py(117): add"): [7., 1],
                      ("copy", "aten::copy_ < trainer/model/kda.py(121): _mix"): [4., 1],
-                     ("eager elementwise", "aten::add < AddBackward0"): [12., 3]}
+                     ("eager elementwise", "aten::add < AddBackward0"): [12., 3],
+                     ("eager elementwise", "aten::remainder < vision/encoder.py(40): patch_positions"): [2., 1]}
+    assert label(events[-1]) == ("aten::remainder < vision/encoder.py(40): patch_positions < "
+                                 "vision/encoder.py(150): forward")

@@ -43,6 +43,7 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "Memcpy DtoH (Devi
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 PY_FRAME = re.compile(r"\.py\(\d+\): ")  # a Python frame's event name under with_stack=True
 AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+TORCH_FRAME = f"{os.sep}torch{os.sep}"  # frames inside torch's own Python code
 
 
 # Kernel kinds by name, first match wins: ours and FlexAttention's Triton kernels before Inductor's generic prefixes.
@@ -83,7 +84,7 @@ def bucket_lines(rows: list[tuple[str, str, float, float]]) -> list[str]:
 def kernel_sites(events, kinds: tuple[str, ...]) -> dict[tuple[str, str], list[float]]:  # noqa: ANN001
     """GPU time (µs) and launches of the kernels of ``kinds``, by the host site that launched them: the launching
     op, then the innermost autograd node running it (a backward op) or else the innermost Python frame (recorded
-    under ``with_stack``). Events of one thread nest like a call stack, so one sweep per thread finds each op's
+    under ``with_stack``, as an event or in the op's own stack). Events of one thread nest like a call stack, so one sweep per thread finds each op's
     enclosing ones."""
     by_thread: dict[int, list] = {}
     for e in events:
@@ -102,8 +103,9 @@ def kernel_sites(events, kinds: tuple[str, ...]) -> dict[tuple[str, str], list[f
                 if kind not in kinds:
                     continue
                 node = next((f.name for f in reversed(stack) if f.name.startswith(AUTOGRAD_NODE)), None)
-                frame = node or next((f.name for f in reversed(stack) if PY_FRAME.search(f.name)), "-")
-                entry = sites.setdefault((kind, f"{e.name} < {frame.removeprefix(AUTOGRAD_NODE)}"), [0.0, 0])
+                frame = node or next((f.name for f in reversed(stack) if PY_FRAME.search(f.name)), None)
+                site = label(e, frames=1) if frame is None else f"{e.name} < {frame.removeprefix(AUTOGRAD_NODE)}"
+                entry = sites.setdefault((kind, site), [0.0, 0])
                 entry[0] += kernel.duration
                 entry[1] += 1
     return sites
@@ -181,6 +183,14 @@ def host_chains(ops: list[tuple[float, float, str]], gaps: list[tuple[float, flo
     return chains
 
 
+def label(event, frames: int = 2) -> str:  # noqa: ANN001 - a FunctionEvent
+    """An op's name, then the innermost Python frames of its recorded stack (``with_stack``) outside torch itself:
+    where releases record no Python-function events (torch 2.11 on the device did not), the op's own stack is
+    what names the code."""
+    stack = [f for f in (getattr(event, "stack", None) or []) if TORCH_FRAME not in f]
+    return " < ".join([event.name] + stack[:frames])
+
+
 def launching_thread(events) -> int | None:  # noqa: ANN001 - torch.autograd.profiler_util.EventList
     """The thread that launched the most kernels (autograd's device thread runs the backward's)."""
     threads = collections.Counter(e.thread for e in events if e.name in LAUNCHES)
@@ -213,10 +223,11 @@ def idle_lines(prof: profile, top: int = 15) -> list[str]:
     gaps.sort()
 
     def chains(thread: int | None) -> list[tuple[list[str], list[str]]]:
-        ops = [(e.time_range.start, e.time_range.end, e.name) for e in cpu if e.thread == thread]
+        ops = [(e.time_range.start, e.time_range.end, label(e)) for e in cpu if e.thread == thread]
         return host_chains(ops, gaps)
 
-    spent = [where(chain) for _, chain in chains(main)]
+    # what took half the gap or more; else (a run of short ops) what was running as it began
+    spent = [where(took or running) for running, took in chains(main)]
     began = [where(chain) for chain, _ in chains(launcher)] if launcher != main else ["-"] * len(gaps)
     by_site: dict[str, list[float]] = {}
     for (_, length), chain in zip(gaps, spent):
@@ -244,7 +255,7 @@ def overlap_lines(cpu, gap: tuple[float, float], origin: float, main: int, launc
     host picture of a gap, when the chosen threads' chains say little."""
     start, end = gap[0], gap[0] + gap[1]
     least = min(1e3, 0.1 * gap[1])
-    hits = sorted((e.thread, e.time_range.start, e.time_range.end, e.name) for e in cpu
+    hits = sorted((e.thread, e.time_range.start, e.time_range.end, label(e)) for e in cpu
                   if min(e.time_range.end, end) - max(e.time_range.start, start) >= least)
     role = {main: "main", launcher: "launcher"}
     out = [f"host events over the gap at {(start - origin) / 1e3:.1f} ms ({gap[1] / 1e3:.1f} ms; thread, ms from the "
