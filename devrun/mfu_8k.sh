@@ -3,10 +3,10 @@
 # also for each untracked variant kernels/attn_res/mix_*.py put in mix.py's place in turn (an A/B: the tree's kernel
 # first), then the 8k stage through DeepSpeed with its config's profiled step (STAGE=0 skips it), then the GPU tests
 # given in TESTS with whatever time the call has left. Run after the wheel-install prefix with a call limit of 600 s,
-# carry [".whl", ".devdata"]. The run folder stays in /tmp (a call returns at most 8 files); its metrics, profile
-# summary and kernel CSV are copied to $OUT as they appear, so a call cut off by its limit still returns the steps it
-# finished. STAGE_CONFIG (default devrun/gpu_small_8k_ac2.yaml) and STAGE_SECONDS (default 390) pick the stage run.
-# carry [".whl", ".devdata", ".cache.tgz"] when .cache.tgz exists (see below).
+# carry [".whl", ".devdata"] (and ".cache.tgz" when it exists, see below). The run folder stays in /tmp (a call
+# returns at most 8 files); its metrics, profile summary and kernel CSV are copied to $OUT as they appear, so a call
+# cut off by its limit still returns the steps it finished. STAGE_CONFIG (default devrun/gpu_small_8k_ac2.yaml) and
+# STAGE_SECONDS (default 390) pick the stage run.
 set -u
 export PYTHONUNBUFFERED=1
 # Triton's and Inductor's caches (autotuning results included) from an earlier call, when carried as .cache.tgz: the

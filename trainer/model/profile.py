@@ -44,6 +44,7 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunc
 PY_FRAME = re.compile(r"\.py\(\d+\): ")  # a Python frame's event name under with_stack=True
 AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
 TORCH_FRAME = f"{os.sep}torch{os.sep}"  # frames inside torch's own Python code
+SMALL_KINDS = ("eager elementwise", "copy", "routing & indexing")  # the kinds whose launch sites the summary lists
 
 
 # Kernel kinds by name, first match wins: ours and FlexAttention's Triton kernels before Inductor's generic prefixes.
@@ -84,8 +85,8 @@ def bucket_lines(rows: list[tuple[str, str, float, float]]) -> list[str]:
 def kernel_sites(events, kinds: tuple[str, ...]) -> dict[tuple[str, str], list[float]]:  # noqa: ANN001
     """GPU time (µs) and launches of the kernels of ``kinds``, by the host site that launched them: the launching
     op, then the innermost autograd node running it (a backward op) or else the innermost Python frame (recorded
-    under ``with_stack``, as an event or in the op's own stack). Events of one thread nest like a call stack, so one sweep per thread finds each op's
-    enclosing ones."""
+    under ``with_stack``, as an event or in the op's own stack). Events of one thread nest like a call stack, so one
+    sweep per thread finds each op's enclosing ones."""
     by_thread: dict[int, list] = {}
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -111,8 +112,7 @@ def kernel_sites(events, kinds: tuple[str, ...]) -> dict[tuple[str, str], list[f
     return sites
 
 
-def site_lines(prof: profile, steps: int, kinds: tuple[str, ...] = ("eager elementwise", "copy",
-                                                                      "routing & indexing"), top: int = 12) -> list[str]:
+def site_lines(prof: profile, steps: int, kinds: tuple[str, ...] = SMALL_KINDS, top: int = 12) -> list[str]:
     """The largest launch sites of the small-kernel kinds: which code their GPU time comes from."""
     sites = kernel_sites(prof.events(), kinds)
     lines = []
@@ -162,13 +162,14 @@ def idle_gaps(busy: list[tuple[float, float]], window: tuple[float, float],
 
 def host_chains(ops: list[tuple[float, float, str]], gaps: list[tuple[float, float]],
                 share: float = 0.5) -> list[tuple[list[str], list[str]]]:
-    """For each gap ``(start, length)``, the ops of one thread (``(start, end, name)``, nested as a call stack) that
-    were running as it began, and those that took at least ``share`` of it (they nest too: two disjoint ops cannot
-    both cover more than half); each list outermost first. The second says where the host spent the gap."""
+    """For each gap ``(start, length)``, in time order as ``idle_gaps`` gives them, the ops of one thread
+    (``(start, end, name)``, nested as a call stack) that were running as it began, and those that took at least
+    ``share`` of it (they nest too: two disjoint ops cannot both cover more than half); each list outermost first.
+    The second says where the host spent the gap."""
     ops = sorted(ops)
     starts = [op[0] for op in ops]
     chains, active, i = [], [], 0
-    for start, length in sorted(gaps):  # a sweep: the ops begun by each gap's start, minus those ended by then
+    for start, length in gaps:  # a sweep: the ops begun by each gap's start, minus those ended by then
         while i < len(ops) and ops[i][0] <= start:
             heapq.heappush(active, (ops[i][1], ops[i][0], ops[i][2]))
             i += 1
@@ -220,7 +221,6 @@ def idle_lines(prof: profile, top: int = 15) -> list[str]:
     launcher = launching_thread(events)
     window = (min(e.time_range.start for e in cpu), max(e.time_range.end for e in cpu))
     idle, gaps = idle_gaps(busy, window)
-    gaps.sort()
 
     def chains(thread: int | None) -> list[tuple[list[str], list[str]]]:
         ops = [(e.time_range.start, e.time_range.end, label(e)) for e in cpu if e.thread == thread]
