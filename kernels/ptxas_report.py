@@ -29,7 +29,7 @@ from kernels.short_conv import conv
 swiglu = importlib.import_module("kernels.moe.swiglu")  # the package exports the function under the same name
 
 HOPPER = GPUTarget("cuda", 90, 64)
-FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw", "alpha",
+FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw", "logits",
                 "s_ptr", "ds_ptr"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}

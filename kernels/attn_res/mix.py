@@ -4,9 +4,11 @@ Each sublayer of block AttnRes mixes up to ten sources ``[T, d]`` (the finished 
 from PyTorch, the mixture read every source twice forward (Inductor split the reduction, so its online softmax was
 off: one pass for the logits, one for the weighted sum), and autograd's backward ran several kernels per source.
 Here the forward reads each source once (online softmax over the sources of a row, the norm on the row in
-registers) and writes the sublayer's input and the weights ``[T, n]``. The backward reads the sources twice (to
-rebuild the mixture for the norm's gradient, then for the weights' gradients) and writes every source's gradient
-once: the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before
+registers) and writes the sublayer's input and the logits ``s_i = r_i x_i·w`` float32 ``[T, n]``. The backward
+rebuilds the weights from the logits (a softmax over n per row) and each ``x_i·w`` as ``s_i / r_i`` for the inv_rms
+gradients: N fewer cross-warp reductions per row tile than recomputing the dots (2026-12-05; the weights were saved
+before, and the backward took 2N+3 reductions). It reads the sources twice (to rebuild the mixture for the norm's
+gradient, then for the weights' gradients) and writes every source's gradient once: the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before
 ``ds`` does, so no third read is needed.
 
 A finished block is a source of every later sublayer. Left to autograd, each of those mixtures' backward writes a
@@ -77,9 +79,9 @@ def column(x, o_n, i):
 
 @autotune(FWD_SPACE, key=TUNING_KEY)
 @triton.jit
-def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
+def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
                         BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
-    """y = mixture (RMSNorm'ed with g if NORM) of BT rows; alpha: their softmax weights over the N sources."""
+    """y = mixture (RMSNorm'ed with g if NORM) of BT rows; logits: their ``r_i x_i·w`` over the N sources."""
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_n = tl.arange(0, BD), tl.arange(0, NP)
     m_t, m_d = o_t < T, o_d < D
@@ -103,14 +105,13 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, alpha, T, eps, N: tl.constexpr, NP: 
         b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
         b_mix = b_mix * b_rinv[:, None] * tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
     tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
-    tl.store(alpha + o_t[:, None] * N + o_n[None, :], tl.exp(b_s - b_max[:, None]) / b_sum[:, None],
-             mask=m_t[:, None] & (o_n < N)[None, :])
+    tl.store(logits + o_t[:, None] * N + o_n[None, :], b_s, mask=m_t[:, None] & (o_n < N)[None, :])
 
 
 @autotune(BWD_SPACE, key=TUNING_KEY, pre_hook=_snapshot_sums.before,
           post_hook=_snapshot_sums.after)
 @triton.jit(do_not_specialize=["acc"])
-def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
+def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
                         NP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
                         ROWS: tl.constexpr, BT: tl.constexpr):
     """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
@@ -129,7 +130,9 @@ def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps,
         o_t = i_p.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
         m = m_t[:, None] & m_d[None, :]
-        b_a = tl.load(alpha + o_t[:, None] * N + o_n[None, :], mask=m_t[:, None] & (o_n < N)[None, :], other=0.)
+        b_s = tl.load(logits + o_t[:, None] * N + o_n[None, :], mask=m_t[:, None] & (o_n < N)[None, :], other=0.)
+        b_a = tl.exp(tl.where(o_n[None, :] < N, b_s, float("-inf")) - tl.max(b_s, 1)[:, None])
+        b_a = b_a / tl.sum(b_a, 1)[:, None]   # the softmax again: rows past T get uniform weights, finite
         b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
         if NORM:  # the mixture again, for the norm's gradient
             b_mix = tl.zeros([BT, BD], dtype=tl.float32)
@@ -142,7 +145,6 @@ def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps,
             b_c = b_rinv * b_rinv * b_rinv / D * tl.sum(b_gdy * b_mix, 1)
             b_dm = b_rinv[:, None] * b_gdy - b_mix * b_c[:, None]
         b_da = tl.zeros([BT, NP], dtype=tl.float32)   # dm · x_i
-        b_xw = tl.zeros([BT, NP], dtype=tl.float32)   # x_i · w
         b_pw = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i da_i x_i
         b_qw = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i x_i
         for i in tl.static_range(N):
@@ -150,7 +152,6 @@ def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps,
             b_ar = column(b_a, o_n, i) * tl.load(rms[i] + o_t, mask=m_t, other=0.)
             da_i = tl.sum(b_dm * b_x, 1)
             b_da = tl.where(o_n[None, :] == i, da_i[:, None], b_da)
-            b_xw = tl.where(o_n[None, :] == i, tl.sum(b_x * b_w[None, :], 1)[:, None], b_xw)
             b_pw += (b_ar * da_i)[:, None] * b_x
             b_qw += b_ar[:, None] * b_x
         b_c = tl.sum(b_a * b_da, 1)
@@ -163,7 +164,7 @@ def attn_res_bwd_kernel(srcs, rms, w, g, alpha, dy, dsrcs, drms, dw, dg, T, eps,
             if (acc >> i) & 1:
                 b_dx += tl.load(dsrcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
             tl.store(dsrcs[i] + o_t[:, None] * D + o_d[None, :], b_dx.to(dsrcs[i].dtype.element_ty), mask=m)
-            tl.store(drms[i] + o_t, ds_i * column(b_xw, o_n, i), mask=m_t)
+            tl.store(drms[i] + o_t, ds_i * column(b_s, o_n, i) / b_r, mask=m_t)  # x_i·w = s_i / r_i
     tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
     if NORM:
         tl.store(dg + i_p * D + o_d, b_dg, mask=m_d)
@@ -203,7 +204,7 @@ def sinked(x: torch.Tensor, sink: GradSink) -> torch.Tensor:
 
 
 class AttnResMix(torch.autograd.Function):
-    """Saves the sources and inv_rms (alive anyway) and the weights float32 ``[T, n]``; nothing of size ``[T, d]``."""
+    """Saves the sources and inv_rms (alive anyway) and the logits float32 ``[T, n]``; nothing of size ``[T, d]``."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, weight: torch.Tensor | None, eps: float,  # noqa: ANN001
@@ -212,18 +213,18 @@ class AttnResMix(torch.autograd.Function):
         sources, rms = tensors[:n], tensors[n:]
         T, D = sources[0].shape
         y = torch.empty_like(sources[0])
-        alpha = torch.empty(T, n, dtype=torch.float32, device=y.device)
+        logits = torch.empty(T, n, dtype=torch.float32, device=y.device)
         norm = weight is not None
         meta = dict(N=n, NP=triton.next_power_of_2(n), D=D, BD=triton.next_power_of_2(D), NORM=norm)
         attn_res_fwd_kernel[lambda m: (triton.cdiv(T, m["BT"]),)](
-            sources, rms, query, weight if norm else query, y, alpha, T, eps, **meta)
-        ctx.save_for_backward(query, weight, alpha, *tensors)
+            sources, rms, query, weight if norm else query, y, logits, T, eps, **meta)
+        ctx.save_for_backward(query, weight, logits, *tensors)
         ctx.meta, ctx.eps, ctx.sinks = meta, eps, sinks
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        query, weight, alpha, *tensors = ctx.saved_tensors
+        query, weight, logits, *tensors = ctx.saved_tensors
         n = ctx.meta["N"]
         sources, rms = tuple(tensors[:n]), tuple(tensors[n:])
         T, D = sources[0].shape
@@ -239,7 +240,7 @@ class AttnResMix(torch.autograd.Function):
         dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
         dg = torch.empty_like(dw) if weight is not None else dw
         attn_res_bwd_kernel[(programs,)](
-            sources, rms, query, weight if weight is not None else query, alpha, dy.contiguous(), tuple(dsrcs),
+            sources, rms, query, weight if weight is not None else query, logits, dy.contiguous(), tuple(dsrcs),
             drms, dw, dg, T, ctx.eps, accumulate, ROWS=BWD_ROWS, **ctx.meta)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
         dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
