@@ -5,10 +5,15 @@
 # given in TESTS with whatever time the call has left. Run after the wheel-install prefix with a call limit of 600 s,
 # carry [".whl", ".devdata"] (and ".cache.tgz" when it exists, see below). The run folder stays in /tmp (a call
 # returns at most 8 files); its metrics, profile summary and kernel CSV are copied to $OUT as they appear, so a call
-# cut off by its limit still returns the steps it finished. STAGE_CONFIG (default devrun/gpu_small_8k_ac2.yaml) and
-# STAGE_SECONDS (default 390) pick the stage run.
+# cut off by its limit still returns the steps it finished. STAGE_CONFIG and STAGE_SECONDS (default 390) pick the
+# stage run; the default config is devrun/gpu_small_8k_ac2.yaml (129.6 GiB peak on the H200), or
+# devrun/gpu_small_8k_h100.yaml (half the micro-batch) on a GPU of under 100 GB.
 set -u
 export PYTHONUNBUFFERED=1
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+default_config=devrun/gpu_small_8k_ac2.yaml
+[ "${gpu_mib:-0}" -gt 0 ] && [ "${gpu_mib}" -lt 100000 ] && default_config=devrun/gpu_small_8k_h100.yaml
+echo "GPU memory ${gpu_mib:-unknown} MiB: stage config ${STAGE_CONFIG:-$default_config}"
 # Triton's and Inductor's caches (autotuning results included) from an earlier call, when carried as .cache.tgz: the
 # stage's first step then takes 22 s instead of 195-230 s (2026-12-04). The call leaves the updated caches in
 # $OUT/cache.tgz (11 MB) for the next: copy it to the repository root and carry it.
@@ -37,7 +42,7 @@ if [ "${STAGE:-1}" = 1 ]; then
   (while sleep 5; do cp /tmp/run/metrics.jsonl /tmp/run/profile-step* "$OUT/" 2>/dev/null; done) >/dev/null 2>&1 &
   copier=$!
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${STAGE_SECONDS:-390}" \
-    python3 -m trainer.train --run /tmp/run --config "${STAGE_CONFIG:-devrun/gpu_small_8k_ac2.yaml}" \
+    python3 -m trainer.train --run /tmp/run --config "${STAGE_CONFIG:-$default_config}" \
     > "$OUT/train.log" 2>&1
   kill $copier
   cp /tmp/run/metrics.jsonl /tmp/run/profile-step* "$OUT/" 2>/dev/null

@@ -142,8 +142,8 @@ class MoELayer(nn.Module):
         row_gates = gates.reshape(-1).index_select(0, plan.order)  # expert order, as the rows
         y = moe_experts(tokens, self.w13, self.w2, plan, row_gates, backend)
         out = combine(y, plan, backend)
-        if self.shared13 is not None:
-            out = out + swiglu(tokens @ self.shared13, backend) @ self.shared2
+        if self.shared13 is not None:  # the sum in the down projection's epilogue: no [T, d] add of its own
+            out = torch.addmm(out, swiglu(tokens @ self.shared13, backend), self.shared2)
         return out
 
     def step_balance(self) -> LoadStats | None:
