@@ -25,6 +25,7 @@ from triton.runtime.jit import JITFunction
 from kernels.attn_res import mix
 from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
 from kernels.short_conv import conv
+from kernels.tuning import config
 
 swiglu = importlib.import_module("kernels.moe.swiglu")  # the package exports the function under the same name
 
@@ -60,8 +61,9 @@ def report(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, conf
     while not isinstance(fn, JITFunction):
         fn = fn.fn
     constants = constants | config.kwargs
+    cap = {"maxnreg": config.maxnreg} if getattr(config, "maxnreg", None) else {}
     compiled = triton.compile(ASTSource(fn, signature(fn, constants), constants), target=HOPPER,
-                              options=dict(num_warps=config.num_warps, num_stages=stages))
+                              options=dict(num_warps=config.num_warps, num_stages=stages, **cap))
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
         with open(ptx, "w") as f:
@@ -70,7 +72,8 @@ def report(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, conf
                              capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return (f"{fn.__name__:32} {str(config.kwargs):22} warps={config.num_warps}  registers={regs.group(1)}  "
+    warps = f"{config.num_warps}" + (f" maxnreg={cap['maxnreg']}" if cap else "")
+    return (f"{fn.__name__:32} {str(config.kwargs):22} warps={warps}  registers={regs.group(1)}  "
             f"spilled stores/loads={spills.group(1)}/{spills.group(2)} B  shared={compiled.metadata.shared} B")
 
 
@@ -93,29 +96,28 @@ def main(argv: list[str] | None = None) -> None:
          dict(H=args.heads, V=args.head_dim, BT=64, SLOT=args.head_dim // 32, PREC="tf32")),
         (chunk_bwd.chunk_kda_bwd_dqkg_kernel, chunk_bwd.DQKG_SPACE, shape | gate | dict(BC=16)),
     ]
-    configs = [(kernel, meta, warps, constants) for kernel, space, constants in kernels for meta, warps in space
-               if max(meta.values()) <= args.head_dim]
+    configs = [(kernel, config(*entry), constants) for kernel, space, constants in kernels for entry in space
+               if max(entry[0].values()) <= args.head_dim]
     # The short convolution of the KDA layer (width 4), whatever the head dim.
-    configs += [(kernel, meta, warps, constants)
+    configs += [(kernel, config(*entry), constants)
                 for kernel, space, constants in [(conv.short_conv_fwd_kernel, conv.FWD_SPACE, dict(W=4)),
                                                  (conv.short_conv_bwd_da_kernel, conv.DA_SPACE,
                                                   dict(W=4, WP=4, ROWS=conv.BWD_ROWS)),
                                                  (conv.short_conv_bwd_dx_kernel, conv.FWD_SPACE, dict(W=4))]
-                for meta, warps in space]
+                for entry in space]
     # The AttnRes mixture of ``small`` (d = 1024) over 9 sources, the most a sublayer mixes, with the norm; the
     # backward adding into the 8 finished blocks' gradients.
     mixture = dict(N=9, NP=16, D=1024, BD=1024, NORM=True)
-    configs += [(kernel, meta, warps, constants)
+    configs += [(kernel, config(*entry), constants)
                 for kernel, space, constants in [(mix.attn_res_fwd_kernel, mix.FWD_SPACE, mixture),
                                                  (mix.attn_res_bwd_kernel, mix.BWD_SPACE,
                                                   mixture | dict(ROWS=mix.BWD_ROWS))]
-                for meta, warps in space]
+                for entry in space]
     # The experts' SwiGLU of ``small`` (d_expert = 224) with the gates as its row scale, at the blocks it launches.
-    configs += [(kernel, swiglu._blocks(224), swiglu.WARPS, dict(SCALED=True))
+    configs += [(kernel, config(swiglu._blocks(224), swiglu.WARPS), dict(SCALED=True))
                 for kernel in (swiglu.swiglu_fwd_kernel, swiglu.swiglu_bwd_kernel)]
-    for kernel, meta, warps, constants in configs:
-        print(report(kernel, constants, triton.Config(meta, num_warps=warps), args.stages), flush=True)
-
+    for kernel, tuned, constants in configs:
+        print(report(kernel, constants, tuned, args.stages), flush=True)
 
 if __name__ == "__main__":
     main()

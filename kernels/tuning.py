@@ -12,15 +12,25 @@ import triton
 
 # Triton releases before `cache_results` tune afresh in every process (fla-core gates it the same way).
 _CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+_MAXNREG = "maxnreg" in inspect.signature(triton.Config.__init__).parameters
+
+# (meta-parameters, num_warps), or (meta-parameters, num_warps, maxnreg): a cap on registers per thread, which lets
+# more blocks share an SM at the cost of some spills (two blocks of 8 warps need at most 128).
+Space = list[tuple[dict, int] | tuple[dict, int, int]]
 
 
-def configs(space: list[tuple[dict, int]]) -> list[triton.Config]:
-    """triton.Config for each (meta-parameters, num_warps) pair."""
+def config(meta: dict, warps: int, maxnreg: int | None = None) -> triton.Config:
+    """One entry of a space as a triton.Config (the register cap left out where the Triton release has none)."""
+    return triton.Config(meta, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg and _MAXNREG else {}))
+
+
+def configs(space: Space) -> list[triton.Config]:
+    """triton.Config for each entry of the space."""
     chosen = space if torch.cuda.is_available() else space[:1]
-    return [triton.Config(meta, num_warps=warps) for meta, warps in chosen]
+    return [config(*entry) for entry in chosen]
 
 
-def autotune(space: list[tuple[dict, int]], key: list[str], **kwargs) -> Callable:
+def autotune(space: Space, key: list[str], **kwargs) -> Callable:
     """``triton.autotune`` over ``space`` (see :func:`configs`), its results cached on disk where Triton can."""
     return triton.autotune(configs(space), key=key, **_CACHE, **kwargs)
 

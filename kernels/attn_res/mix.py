@@ -37,12 +37,14 @@ MAX_SOURCES, MAX_WIDTH = 16, 8192
 BWD_ROWS = 64
 
 # Tiles that ptxas (sm_90, d = 1024, 9 sources) compiles without spills (`python -m kernels.ptxas_report`): the
-# unrolled loop over sources keeps several [BT, d] loads in flight. Forward BT 8 spilled with 8 and 16 warps; the
-# backward (unrolled over sources, 227-255 registers) spilled nothing only at BT 1 and 2 with 8 warps, under 200 B
-# per thread at BT 1 with 4 and 16. It ran at 0.94 TB/s at BT 2 with 8 warps on the H200 (one block of 8 warps per
-# SM), so it is tuned too; its tuning runs restore the sinked gradients it adds into (``_snapshot_sums``).
+# unrolled loop over sources keeps several [BT, d] loads in flight. Forward BT 8 spilled with 8 and 16 warps. The
+# backward ran at 0.94 TB/s at BT 2 with 8 warps on the H200 (255 registers: one block of 8 warps per SM), so it is
+# tuned too; its tuning runs restore the sinked gradients it adds into (``_snapshot_sums``). Since it reads each
+# source's weight and dot from memory rather than out of a [BT, NP] tile (2026-12-05), ptxas gives it 171 registers
+# at BT 1 with 8 warps and no spills, still one block per SM; capped at 128 (two blocks, 16 warps to hide the
+# latency of its reductions) it spills 88 B per thread. At 16 warps it spilled 168 B, at BT 4 184 B.
 FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4)]
-BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 4), ({"BT": 1}, 16)]
+BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 8, 128), ({"BT": 1}, 4)]
 # Tuned per power-of-two class of the source count (NP), not per count: ``small``'s 41 mixtures take 1 to 9 sources,
 # and each count tuned afresh compiled and timed every config of both kernels for it: 10 keys, 90 compiles (the 8k
 # stage's first step took 279 s on 2026-12-04, 84 s more than with the compiled PyTorch mixture). Six classes; the
@@ -72,9 +74,10 @@ _snapshot_sums = _SumsSnapshot()
 
 
 @triton.jit
-def column(x, o_n, i):
-    """Column i of a [BT, NP] tile, as [BT]."""
-    return tl.sum(tl.where(o_n[None, :] == i, x, 0.), 1)
+def softmax_weight(logits, o_t, m_t, i, b_max, b_z, N: tl.constexpr):
+    """Source i's softmax weight for rows o_t, [BT], from its logits column (an L1 hit after the first read) and the
+    rows' max and normaliser: no reduction over the sources' axis."""
+    return tl.exp(tl.load(logits + o_t * N + i, mask=m_t, other=0.) - b_max) / b_z
 
 
 @autotune(FWD_SPACE, key=TUNING_KEY)
@@ -83,29 +86,27 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
                         BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
     """y = mixture (RMSNorm'ed with g if NORM) of BT rows; logits: their ``r_i x_i·w`` over the N sources."""
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    o_d, o_n = tl.arange(0, BD), tl.arange(0, NP)
+    o_d = tl.arange(0, BD)
     m_t, m_d = o_t < T, o_d < D
     m = m_t[:, None] & m_d[None, :]
     b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
     b_max = tl.full([BT], float("-inf"), tl.float32)
     b_sum = tl.zeros([BT], dtype=tl.float32)
     b_acc = tl.zeros([BT, BD], dtype=tl.float32)
-    b_s = tl.zeros([BT, NP], dtype=tl.float32)
     for i in tl.static_range(N):
         b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
         s_i = tl.sum(b_x * b_w[None, :], 1) * tl.load(rms[i] + o_t, mask=m_t, other=0.)
+        tl.store(logits + o_t * N + i, s_i, mask=m_t)
         new_max = tl.maximum(b_max, s_i)
         scale, p = tl.exp(b_max - new_max), tl.exp(s_i - new_max)
         b_acc = b_acc * scale[:, None] + p[:, None] * b_x
         b_sum = b_sum * scale + p
         b_max = new_max
-        b_s = tl.where(o_n[None, :] == i, s_i[:, None], b_s)
     b_mix = b_acc / b_sum[:, None]
     if NORM:
         b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
         b_mix = b_mix * b_rinv[:, None] * tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
     tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
-    tl.store(logits + o_t[:, None] * N + o_n[None, :], b_s, mask=m_t[:, None] & (o_n < N)[None, :])
 
 
 @autotune(BWD_SPACE, key=TUNING_KEY, pre_hook=_snapshot_sums.before,
@@ -120,7 +121,7 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
     a source count compiled this unrolled kernel once per mask, which in block AttnRes is twice (with and without
     the open block among the sources: 17 compiles for ``small``'s mixtures instead of 9)."""
     i_p = tl.program_id(0)
-    o_d, o_n = tl.arange(0, BD), tl.arange(0, NP)
+    o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
     b_g = tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)
@@ -130,41 +131,48 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
         o_t = i_p.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
         m = m_t[:, None] & m_d[None, :]
-        b_s = tl.load(logits + o_t[:, None] * N + o_n[None, :], mask=m_t[:, None] & (o_n < N)[None, :], other=0.)
-        b_a = tl.exp(tl.where(o_n[None, :] < N, b_s, float("-inf")) - tl.max(b_s, 1)[:, None])
-        b_a = b_a / tl.sum(b_a, 1)[:, None]   # the softmax again: rows past T get uniform weights, finite
+        # The softmax again, as each row's max and normaliser (rows past T get uniform weights: finite).
+        b_max = tl.full([BT], float("-inf"), tl.float32)
+        for i in tl.static_range(N):
+            b_max = tl.maximum(b_max, tl.load(logits + o_t * N + i, mask=m_t, other=0.))
+        b_z = tl.zeros([BT], dtype=tl.float32)
+        for i in tl.static_range(N):
+            b_z += tl.exp(tl.load(logits + o_t * N + i, mask=m_t, other=0.) - b_max)
         b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
         if NORM:  # the mixture again, for the norm's gradient
             b_mix = tl.zeros([BT, BD], dtype=tl.float32)
             for i in tl.static_range(N):
                 b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-                b_mix += column(b_a, o_n, i)[:, None] * b_x
+                b_mix += softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)[:, None] * b_x
             b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
             b_dg += tl.sum(b_dm * b_mix * b_rinv[:, None], 0)
             b_gdy = b_dm * b_g[None, :]
             b_c = b_rinv * b_rinv * b_rinv / D * tl.sum(b_gdy * b_mix, 1)
             b_dm = b_rinv[:, None] * b_gdy - b_mix * b_c[:, None]
-        b_da = tl.zeros([BT, NP], dtype=tl.float32)   # dm · x_i
-        b_pw = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i da_i x_i
-        b_qw = tl.zeros([BT, BD], dtype=tl.float32)   # Σ_i a_i r_i x_i
+        b_c = tl.zeros([BT], dtype=tl.float32)       # Σ_i a_i da_i
+        b_pw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i da_i x_i
+        b_qw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i x_i
         for i in tl.static_range(N):
             b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-            b_ar = column(b_a, o_n, i) * tl.load(rms[i] + o_t, mask=m_t, other=0.)
-            da_i = tl.sum(b_dm * b_x, 1)
-            b_da = tl.where(o_n[None, :] == i, da_i[:, None], b_da)
+            b_ar = softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)
+            da_i = tl.sum(b_dm * b_x, 1)   # dm · x_i
+            tl.store(drms[i] + o_t, da_i, mask=m_t)  # kept in drms until the loop below overwrites it
+            b_c += b_ar * da_i
+            b_ar = b_ar * tl.load(rms[i] + o_t, mask=m_t, other=0.)
             b_pw += (b_ar * da_i)[:, None] * b_x
             b_qw += b_ar[:, None] * b_x
-        b_c = tl.sum(b_a * b_da, 1)
-        b_ds = b_a * (b_da - b_c[:, None])   # the logits' gradient
         b_dw += tl.sum(b_pw - b_c[:, None] * b_qw, 0)
+        tl.debug_barrier()  # the da_i just stored are read back below, maybe by other threads of the block
         for i in tl.static_range(N):
-            ds_i = column(b_ds, o_n, i)
+            b_a = softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)
             b_r = tl.load(rms[i] + o_t, mask=m_t, other=0.)
-            b_dx = column(b_a, o_n, i)[:, None] * b_dm + (ds_i * b_r)[:, None] * b_w[None, :]
+            ds_i = b_a * (tl.load(drms[i] + o_t, mask=m_t, other=0.) - b_c)   # the logit's gradient
+            b_dx = b_a[:, None] * b_dm + (ds_i * b_r)[:, None] * b_w[None, :]
             if (acc >> i) & 1:
                 b_dx += tl.load(dsrcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
             tl.store(dsrcs[i] + o_t[:, None] * D + o_d[None, :], b_dx.to(dsrcs[i].dtype.element_ty), mask=m)
-            tl.store(drms[i] + o_t, ds_i * column(b_s, o_n, i) / b_r, mask=m_t)  # x_i·w = s_i / r_i
+            # inv_rms's gradient: ds_i · x_i·w, with x_i·w = s_i / r_i from the saved logit
+            tl.store(drms[i] + o_t, ds_i * tl.load(logits + o_t * N + i, mask=m_t, other=0.) / b_r, mask=m_t)
     tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
     if NORM:
         tl.store(dg + i_p * D + o_d, b_dg, mask=m_d)

@@ -22,3 +22,10 @@ def test_autotune_keeps_its_results_in_tritons_cache(monkeypatch: pytest.MonkeyP
     # the whole space on a GPU, its first entry under the interpreter
     expected = [({"BT": 2}, 8), ({"BT": 1}, 4)] if torch.cuda.is_available() else [({"BT": 2}, 8)]
     assert [(c.kwargs, c.num_warps) for c in seen["configs"]] == expected
+
+
+def test_a_space_entry_may_cap_registers() -> None:
+    """A third element caps registers per thread (more blocks per SM); two-element entries leave Triton's default."""
+    capped, plain = tuning.config({"BT": 1}, 8, 128), tuning.config({"BT": 2}, 4)
+    assert (capped.kwargs, capped.num_warps, capped.maxnreg) == ({"BT": 1}, 8, 128)  # the pinned Triton has maxnreg
+    assert (plain.kwargs, plain.num_warps, plain.maxnreg) == ({"BT": 2}, 4, None)
