@@ -151,19 +151,22 @@ def test_gpu_bf16_at_the_small_models_shape(norm: bool) -> None:
     assert max(errors.values()) <= 1e-2 and not zeros, (errors, zeros)
 
 
+@pytest.mark.parametrize("block_size", [2, 3])
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
-def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:
-    """Six sublayers in blocks of two through ``BlockAttnRes``, as the decoder drives it (each sublayer's normed
-    input from the fused kernel, the final output from the plain mixture, pairs of sublayers as layers, recomputed
-    in the backward as the decoder's checkpointed layers are), on the kernels (finished blocks' gradients summed in
-    their sinks) against the same on the reference in float64: the output and the gradients of the embedding, the
-    pseudo-queries, the norms and the sublayers."""
+def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest.MonkeyPatch, recompute: bool,
+                                                             block_size: int) -> None:
+    """Six sublayers in blocks of two or three through ``BlockAttnRes``, as the decoder drives it (each sublayer's
+    normed input from the fused kernel, the final output from the plain mixture, pairs of sublayers as layers,
+    recomputed in the backward as the decoder's checkpointed layers are; in blocks of three an open block carries
+    the inv_rms of its add), on the kernels (finished blocks' gradients summed in their sinks) against the same on
+    the reference in float64: the output and the gradients of the embedding, the pseudo-queries, the norms and the
+    sublayers."""
     import trainer.model.attn_res as attn_res_module
     from torch.utils.checkpoint import checkpoint
 
     fresh_seed()
     T, d, n_sub = 50, 32, 6
-    residuals = attn_res_module.BlockAttnRes(d, n_sub, block_size=2).to(DEVICE)
+    residuals = attn_res_module.BlockAttnRes(d, n_sub, block_size=block_size).to(DEVICE)
     with torch.no_grad():
         residuals.queries.normal_()
     norms = torch.nn.ModuleList(torch.nn.RMSNorm(d, eps=1e-6) for _ in range(n_sub)).to(DEVICE)

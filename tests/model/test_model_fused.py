@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.model.attn_res import inv_rms
+from trainer.model.attn_res import add_inv_rms, inv_rms
 from trainer.model.multimodal import cross_entropy_chunk
 from trainer.model.fused import gated_rms_norm, joint_linear, sigmoid_gate
 from vision.encoder import _apply_rope
@@ -22,6 +22,7 @@ def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
     T, d = 70, 48
     return [
         ("inv_rms", inv_rms, (t(T, d), 1e-6)),
+        ("add_inv_rms", add_inv_rms, (t(T, d), t(T, d), 1e-6)),
         ("gated_rms_norm", gated_rms_norm, (t(T, 2, 32), t(32, kind=torch.float32), 1e-6,
                                             t(T, 96)[:, 16:80].view(T, 2, 32))),  # a column slice, as in KDALayer
         ("sigmoid_gate", sigmoid_gate, (t(T, d), t(T, 2 * d)[:, d:])),

@@ -11,6 +11,11 @@ per block this is exactly full AttnRes.
 Both kinds share one interface, so a decoder layer does not know which it runs under: ``begin(embedding)`` → state,
 ``sublayer_input(state, l)`` → ``h_l``, ``normed_input(state, l, norm)`` → ``norm(h_l)`` (what a sublayer consumes),
 ``add(state, l, v_l)`` → state, ``output(state)`` → the final hidden state.
+
+Block AttnRes needs each source's inv_rms. The open block's running sum gets it from the add that makes it (one
+compiled kernel on CUDA for ``b + v`` and its row statistics, ``add_inv_rms``), not from a second pass over the sum; in
+the backward the same fused node adds the inv_rms gradient into the sum's, so neither a separate inv_rms backward nor
+autograd's add of the two gradients is launched.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from torch import nn
 from kernels.attn_res import GradSink, attn_res_mix, sinked
 from vision.fusion import cuda_compiled
 
-__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms"]
+__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms", "add_inv_rms"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,18 +35,31 @@ class ResidualState:
     """Between sublayers. ``blocks``: finished sources ``[T, d]`` (AttnRes), with ``inv_rms`` float32 ``[T]`` of each
     cached (their RMSNorm is needed by every later sublayer) and the ``GradSink`` each is ``sinked`` with (every later
     sublayer's mixture adds its gradient there in place); ``partial``: the running sum (the whole residual stream for
-    standard residuals, the open block for AttnRes; None when no block is open)."""
+    standard residuals, the open block for AttnRes; None when no block is open), with its inv_rms when the add that
+    made it computed them (``partial_inv_rms``; None: computed where needed)."""
 
     blocks: tuple[torch.Tensor, ...]
     inv_rms: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
     sinks: tuple[GradSink, ...] = ()
+    partial_inv_rms: torch.Tensor | None = None
+
+
+def _rsqrt_mean_square(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt((x * x).mean(-1, dtype=torch.float32) + eps)
 
 
 @cuda_compiled
 def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """1/rms float32 ``[T]`` of x ``[T, d]`` without a float32 copy of ``x`` (the mean accumulates in float32)."""
-    return torch.rsqrt((x * x).mean(-1, dtype=torch.float32) + eps)
+    return _rsqrt_mean_square(x, eps)
+
+
+@cuda_compiled
+def add_inv_rms(x: torch.Tensor, y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + y`` and its inv_rms (as :func:`inv_rms`), in one pass over the sum on CUDA."""
+    total = x + y
+    return total, _rsqrt_mean_square(total, eps)
 
 
 class StandardResiduals(nn.Module):
@@ -86,7 +104,7 @@ class BlockAttnRes(nn.Module):
         sinks: list[GradSink | None] = list(state.sinks)
         if state.partial is not None:
             sources.append(state.partial)
-            rms.append(self._inv_rms(state.partial))
+            rms.append(self._inv_rms(state.partial) if state.partial_inv_rms is None else state.partial_inv_rms)
             sinks.append(None)
         return sources, rms, sinks
 
@@ -94,12 +112,15 @@ class BlockAttnRes(nn.Module):
         sources, rms, sinks = self._sources(state)
         return attn_res_mix(sources, rms, query, sinks=sinks)
 
-    def _finished(self, state: ResidualState, block: torch.Tensor) -> ResidualState:
-        """``state`` with ``block`` appended to the finished ones (through a fresh sink) and no block open."""
+    def _finished(self, state: ResidualState, block: torch.Tensor, rms: torch.Tensor | None = None
+                  ) -> ResidualState:
+        """``state`` with ``block`` (and its inv_rms ``rms``, computed here if None) appended to the finished ones
+        (through a fresh sink) and no block open."""
         sink = GradSink()
         block = sinked(block.contiguous(), sink)
-        return ResidualState(blocks=state.blocks + (block,), inv_rms=state.inv_rms + (self._inv_rms(block),),
-                             partial=None, sinks=state.sinks + (sink,))
+        rms = self._inv_rms(block) if rms is None else rms
+        return ResidualState(blocks=state.blocks + (block,), inv_rms=state.inv_rms + (rms,), partial=None,
+                             sinks=state.sinks + (sink,))
 
     def begin(self, embedding: torch.Tensor) -> ResidualState:
         return self._finished(ResidualState(blocks=(), inv_rms=(), partial=None), embedding)
@@ -114,10 +135,10 @@ class BlockAttnRes(nn.Module):
         return attn_res_mix(sources, rms, self.queries[index], norm.weight, eps, sinks=sinks)
 
     def add(self, state: ResidualState, index: int, value: torch.Tensor) -> ResidualState:
-        partial = value if state.partial is None else state.partial + value
+        partial, rms = (value, None) if state.partial is None else add_inv_rms(state.partial, value, self.eps)
         if (index + 1) % self.block_size:
-            return dataclasses.replace(state, partial=partial)
-        return self._finished(state, partial)
+            return dataclasses.replace(state, partial=partial, partial_inv_rms=rms)
+        return self._finished(state, partial, rms)
 
     def output(self, state: ResidualState) -> torch.Tensor:
         return self._mix(state, self.queries[self.n_sublayers])
