@@ -1,13 +1,14 @@
 #!/bin/bash
-# Issue 9's device call (devrun/README.md, "Next trainer calls"): the AttnRes mixture's bench (BENCH=0 skips it),
-# also for each untracked variant kernels/attn_res/mix_*.py put in mix.py's place in turn (an A/B: the tree's kernel
-# first), then the 8k stage through DeepSpeed with its config's profiled step (STAGE=0 skips it), then the GPU tests
-# given in TESTS with whatever time the call has left. Run after the wheel-install prefix with a call limit of 600 s,
-# carry [".whl", ".devdata"] (and ".cache.tgz" when it exists, see below). The run folder stays in /tmp (a call
-# returns at most 8 files); its metrics, profile summary and kernel CSV are copied to $OUT as they appear, so a call
-# cut off by its limit still returns the steps it finished. STAGE_CONFIG and STAGE_SECONDS (default 390) pick the
-# stage run; the default config is devrun/gpu_small_8k_ac2.yaml (129.6 GiB peak on the H200), or
-# devrun/gpu_small_8k_h100.yaml (half the micro-batch) on a GPU of under 100 GB.
+# Issue 9's device call (devrun/README.md, "Next trainer calls"): first the GPU tests given in TESTS within
+# TEST_SECONDS (first: a test run cut by its limit reports nothing, a cut stage still returns the steps it finished),
+# then the AttnRes mixture's bench (BENCH=0 skips it), also for each untracked variant kernels/attn_res/mix_*.py put
+# in mix.py's place in turn (an A/B: the tree's kernel first), then the 8k stage through DeepSpeed with its config's
+# profiled step (STAGE=0 skips it). Run after the wheel-install prefix with a call limit of 600 s, carry [".whl",
+# ".devdata"] (and ".cache.tgz" when it exists, see below). The run folder stays in /tmp (a call returns at most 8
+# files); its metrics, profile summary and kernel CSV are copied to $OUT as they appear, so a call cut off by its
+# limit still returns the steps it finished. STAGE_CONFIG and STAGE_SECONDS (default 390) pick the stage run; the
+# default config is devrun/gpu_small_8k_ac2.yaml (129.6 GiB peak on the H200), or devrun/gpu_small_8k_h100.yaml (half
+# the micro-batch) on a GPU of under 100 GB.
 set -u
 export PYTHONUNBUFFERED=1
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
@@ -16,11 +17,16 @@ default_config=devrun/gpu_small_8k_ac2.yaml
 echo "GPU memory ${gpu_mib:-unknown} MiB: stage config ${STAGE_CONFIG:-$default_config}"
 # Triton's and Inductor's caches (autotuning results included) from an earlier call, when carried as .cache.tgz: the
 # stage's first step then takes 22 s instead of 195-230 s (2026-12-04). The call leaves the updated caches in
-# $OUT/cache.tgz (11 MB) for the next: copy it to the repository root and carry it.
+# $OUT/cache.tgz.part-* (a call returns no file over about 16 MB; the H100 recipe's caches came to more): join them
+# as .cache.tgz at the repository root (`cat cache.tgz.part-* > .cache.tgz`) and carry it.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.cache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor
 [ -f .cache.tgz ] && tar xzf .cache.tgz
-pack_cache() { tar czf "$OUT/cache.tgz" .cache 2>/dev/null; }
+pack_cache() { tar czf - .cache 2>/dev/null | split -b 15m - "$OUT/cache.tgz.part-"; }
 trap pack_cache EXIT
+if [ -n "${TESTS:-}" ]; then
+  timeout -k 5 "${TEST_SECONDS:-60}" python3 -m pytest -n 4 $TESTS -p no:cacheprovider -q -rf > "$OUT/gpu_tests.txt" 2>&1
+  tail -4 "$OUT/gpu_tests.txt"
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   bench() {  # $1: the name its output is kept under
     timeout -k 5 "${BENCH_SECONDS:-100}" python3 -m kernels.attn_res.bench --impls longweave \
@@ -49,8 +55,4 @@ if [ "${STAGE:-1}" = 1 ]; then
   grep "INFO.*step [0-9]" "$OUT/train.log" | tail -6
   grep -i -m5 "error\|out of memory" "$OUT/train.log"
   sed -n '/GPU time per step by kind/,$p' "$OUT"/profile-step*.txt 2>/dev/null
-fi
-if [ -n "${TESTS:-}" ]; then
-  timeout -k 5 "${TEST_SECONDS:-60}" python3 -m pytest -n 4 $TESTS -p no:cacheprovider -q -rf > "$OUT/gpu_tests.txt" 2>&1
-  tail -4 "$OUT/gpu_tests.txt"
 fi

@@ -31,7 +31,7 @@ swiglu = importlib.import_module("kernels.moe.swiglu")  # the package exports th
 
 HOPPER = GPUTarget("cuda", 90, 64)
 FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw", "logits",
-                "s_ptr", "ds_ptr"}
+                "dots", "s_ptr", "ds_ptr"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
 SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "CG": "i32",

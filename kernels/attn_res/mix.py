@@ -112,14 +112,18 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
 @autotune(BWD_SPACE, key=TUNING_KEY, pre_hook=_snapshot_sums.before,
           post_hook=_snapshot_sums.after)
 @triton.jit(do_not_specialize=["acc"])
-def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
+def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
                         NP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
                         ROWS: tl.constexpr, BT: tl.constexpr):
     """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
     pseudo-query's gradient (dw) and of the norm weight's (dg). Source i's gradient is added into ``dsrcs[i]`` when
     bit i of ``acc`` is set, written over it otherwise. ``acc`` is a runtime bit mask, not a constant: as a constant
     a source count compiled this unrolled kernel once per mask, which in block AttnRes is twice (with and without
-    the open block among the sources: 17 compiles for ``small``'s mixtures instead of 9)."""
+    the open block among the sources: 17 compiles for ``small``'s mixtures instead of 9). ``dots`` ``[T, N]``:
+    scratch for each row's ``dm·x_i``, written by the first loop over the sources and read back by the second. Not
+    ``drms`` itself: the second loop overwrites ``drms[i]`` right after reading it, and a warp that got there first
+    overwrote what a slower warp of the block had still to read (2026-12-05, H100: the last source's gradient 15%
+    off without the norm)."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -156,7 +160,7 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
             b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
             b_ar = softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)
             da_i = tl.sum(b_dm * b_x, 1)   # dm · x_i
-            tl.store(drms[i] + o_t, da_i, mask=m_t)  # kept in drms until the loop below overwrites it
+            tl.store(dots + o_t * N + i, da_i, mask=m_t)
             b_c += b_ar * da_i
             b_ar = b_ar * tl.load(rms[i] + o_t, mask=m_t, other=0.)
             b_pw += (b_ar * da_i)[:, None] * b_x
@@ -166,7 +170,7 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
         for i in tl.static_range(N):
             b_a = softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)
             b_r = tl.load(rms[i] + o_t, mask=m_t, other=0.)
-            ds_i = b_a * (tl.load(drms[i] + o_t, mask=m_t, other=0.) - b_c)   # the logit's gradient
+            ds_i = b_a * (tl.load(dots + o_t * N + i, mask=m_t, other=0.) - b_c)   # the logit's gradient
             b_dx = b_a[:, None] * b_dm + (ds_i * b_r)[:, None] * b_w[None, :]
             if (acc >> i) & 1:
                 b_dx += tl.load(dsrcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
@@ -248,7 +252,8 @@ class AttnResMix(torch.autograd.Function):
         dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
         dg = torch.empty_like(dw) if weight is not None else dw
         attn_res_bwd_kernel[(programs,)](
-            sources, rms, query, weight if weight is not None else query, logits, dy.contiguous(), tuple(dsrcs),
+            sources, rms, query, weight if weight is not None else query, logits, torch.empty_like(logits),
+            dy.contiguous(), tuple(dsrcs),
             drms, dw, dg, T, ctx.eps, accumulate, ROWS=BWD_ROWS, **ctx.meta)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
         dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
