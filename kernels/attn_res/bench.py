@@ -48,6 +48,29 @@ def measure(name: str, fn: Callable, sources: list[torch.Tensor], rms: list[torc
     return row
 
 
+def worst_errors(sources: list[torch.Tensor], rms: list[torch.Tensor], query: torch.Tensor,
+                 weight: torch.Tensor | None) -> tuple[float, tuple[str, float]]:
+    """longweave's relative error against the float32 reference: the output's, and the worst gradient's (name,
+    error). Gradients too: a race in the backward once left the last source's gradient 15% off while the output
+    was right (2026-12-05)."""
+    eps = None if weight is None else 1e-6
+    dy = torch.randn_like(sources[0])
+    outputs = {}
+    for name, fn, wide in (("ref", naive_attn_res_mix, True), ("ours", attn_res_mix, False)):
+        leaves = [(s.float() if wide else s).detach().requires_grad_() for s in sources]
+        leaves += [r.detach().requires_grad_() for r in rms] + [query.detach().requires_grad_()]
+        if weight is not None:
+            leaves.append(weight.detach().requires_grad_())
+        n = len(sources)
+        y = fn(leaves[:n], leaves[n:2 * n], leaves[2 * n], None if weight is None else leaves[-1], eps)
+        y.backward(dy.float() if wide else dy)
+        outputs[name] = [y.detach().float()] + [leaf.grad.float() for leaf in leaves]
+        del leaves, y
+    names = [f"dsrc{i}" for i in range(len(sources))] + [f"drms{i}" for i in range(len(sources))] + ["dq", "dg"]
+    errors = [((a - b).norm() / b.norm()).item() for a, b in zip(outputs["ours"], outputs["ref"])]
+    return errors[0], max(zip(names, errors[1:]), key=lambda kv: kv[1])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=131072)
@@ -66,11 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     impls = {name: IMPLS[name]() for name in args.impls}
     rows = []
     for weight in (None, 1 + 0.1 * torch.randn(D, device="cuda")):
-        with torch.no_grad():
-            eps = None if weight is None else 1e-6
-            ref = naive_attn_res_mix([s.float() for s in sources], rms, query, weight, eps)
-            err = (attn_res_mix(sources, rms, query, weight, eps).float() - ref).norm() / ref.norm()
-        print(f"norm={weight is not None}: longweave's relative error against the float32 reference {err.item():.2e}")
+        err, (worst, grad_err) = worst_errors(sources, rms, query, weight)
+        print(f"norm={weight is not None}: longweave's relative error against the float32 reference: output "
+              f"{err:.2e}, worst gradient {grad_err:.2e} ({worst})")
         rows += [measure(name, fn, sources, rms, query, weight) for name, fn in impls.items()]
     print(f"{'impl':>10} {'norm':>5} {'fwd ms':>8} {'f+b ms':>8} {'fwd TB/s':>9} {'f+b TB/s':>9} "
           f"{'vs ' + rows[0]['impl']:>13}")
