@@ -2,20 +2,23 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import triton
 
 
-def fwd_bwd_times(call: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> dict[str, float]:
-    """Median ms of ``call()`` and of ``call().backward(dy)`` for a fixed random ``dy`` (``triton.testing.do_bench``,
-    CUDA events), after one untimed step so compiles and autotuning stay out; ``leaves``' gradients are cleared
-    between backward runs."""
-    dy = torch.randn_like(call())
+def fwd_bwd_times(call: Callable[[], torch.Tensor | Sequence[torch.Tensor]],
+                  leaves: list[torch.Tensor]) -> dict[str, float]:
+    """Median ms of ``call()`` and of its backward from fixed random gradients of its output (or outputs)
+    (``triton.testing.do_bench``, CUDA events), after one untimed step so compiles and autotuning stay out;
+    ``leaves``' gradients are cleared between backward runs."""
+    outputs = call()
+    dys = [torch.randn_like(y) for y in ((outputs,) if isinstance(outputs, torch.Tensor) else outputs)]
 
     def step() -> None:
-        call().backward(dy)
+        outputs = call()
+        torch.autograd.backward((outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs), dys)
 
     step()
     return dict(fwd_ms=triton.testing.do_bench(call, return_mode="median"),

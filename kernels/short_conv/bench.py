@@ -44,9 +44,9 @@ def implementations(cu: torch.Tensor) -> dict[str, Callable]:
     return impls
 
 
-def as_rows(y: torch.Tensor) -> torch.Tensor:
-    """``[T, C]`` in channel order, from ours ``[groups, T, C / groups]`` or fla's ``[T, C]``."""
-    return y.transpose(0, 1).reshape(y.shape[1], -1) if y.dim() == 3 else y
+def as_rows(y: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``[T, C]`` in channel order, from ours (a ``[T, C / groups]`` tensor per group) or fla's ``[T, C]``."""
+    return y if isinstance(y, torch.Tensor) else torch.cat(y, dim=1)
 
 
 def measure(name: str, fn: Callable, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor) -> dict:

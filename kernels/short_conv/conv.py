@@ -9,7 +9,11 @@ that recomputed da for every tap (W² shifted loads per tile) took 9.0 ms at the
 forward (H200, 2026-12-03).
 
 Layout: x ``[T, C]`` may be a column slice of a wider buffer (the KDA layer's joint projection); the output is
-``[groups, T, C // groups]`` contiguous, so q, k and v come out as separate contiguous tensors from one launch.
+``groups`` tensors ``[T, C // groups]``, each its own allocation (one launch per group), so q, k and v take separate
+gradients. As views of one ``[groups, T, C // groups]`` buffer (until 2026-12-05) their gradients were stacked by
+``unbind``'s backward (a copy of all three), and the KDA layer copied v so that the KDA kernel's saved v would not
+keep q and k alive. One launch writing all three through a tuple of pointers cost the backward's first kernel its
+registers (a masked load per group in flight: 255 and spills, 220-240 before).
 """
 from __future__ import annotations
 
@@ -27,12 +31,6 @@ MAX_WIDTH = 8
 # Rows per program of the backward's first kernel: its weight-gradient partial dw [C, W] float32 is one per program,
 # 1/64 of its da traffic at width 4.
 BWD_ROWS = 512
-
-
-@triton.jit
-def grouped_offsets(o_t, o_c, T, CG):
-    """Offsets of rows o_t, channels o_c in the ``[groups, T, CG]`` output (channel c in group c // CG)."""
-    return (o_c // CG).to(tl.int64)[None, :] * T * CG + o_t[:, None] * CG + (o_c % CG)[None, :]
 
 
 @triton.jit
@@ -61,18 +59,18 @@ DA_SPACE = [({"BT": 16, "BC": 64}, 4), ({"BT": 16, "BC": 128}, 4), ({"BT": 8, "B
 
 @autotune(FWD_SPACE, key=["C", "W"])
 @triton.jit
-def short_conv_fwd_kernel(x, w, pos, y, T, C, CG, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def short_conv_fwd_kernel(x, w, pos, y, T, C, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_t, m_c = o_t < T, o_c < C
     acc, _ = conv_at(x, w, pos, o_t, m_t, o_c, m_c, stride_x, W, BT, BC)
-    tl.store(y + grouped_offsets(o_t, o_c, T, CG), (acc * tl.sigmoid(acc)).to(y.dtype.element_ty),
+    tl.store(y + o_t[:, None] * C + o_c[None, :], (acc * tl.sigmoid(acc)).to(y.dtype.element_ty),
              mask=m_t[:, None] & m_c[None, :])
 
 
 @autotune(DA_SPACE, key=["C", "W"])
 @triton.jit
-def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, CG, stride_x, W: tl.constexpr, WP: tl.constexpr,
+def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, stride_x, W: tl.constexpr, WP: tl.constexpr,
                              ROWS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """da = dy · silu'(pre-activation) (the pre-activation recomputed, not stored) for the program's ROWS rows, and
     their weight-gradient partial dw[program, c, i] = Σ_t da[t] x[t − i] over the taps inside t's document.
@@ -95,7 +93,7 @@ def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, CG, stride_x, W: tl.co
         b_x = tl.load(x + o_s[:, :, None] * stride_x + o_c[None, None, :], mask=m_s[:, :, None] & m_c[None, None, :],
                       other=0.).to(tl.float32)
         acc = tl.sum(b_x * b_w[None, :, :], 1)
-        b_dy = tl.load(dy + grouped_offsets(o_t, o_c, T, CG), mask=m_t[:, None] & m_c[None, :], other=0.)
+        b_dy = tl.load(dy + o_t[:, None] * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.)
         sig = tl.sigmoid(acc)
         b_da = b_dy.to(tl.float32) * sig * (1. + acc * (1. - sig))
         tl.store(da + o_t[:, None] * C + o_c[None, :], b_da.to(da.dtype.element_ty),
@@ -106,8 +104,10 @@ def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, CG, stride_x, W: tl.co
 
 @autotune(FWD_SPACE, key=["C", "W"])
 @triton.jit
-def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """dx[t] = Σ_j w[:, j] da[t + j] over the rows t + j whose tap j stays inside their document (pos ≥ j)."""
+def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, stride_dx, W: tl.constexpr, BT: tl.constexpr,
+                             BC: tl.constexpr):
+    """dx[t] = Σ_j w[:, j] da[t + j] over the rows t + j whose tap j stays inside their document (pos ≥ j); dx's
+    rows ``stride_dx`` apart (a group's columns of the whole input's gradient)."""
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_t, m_c = o_t < T, o_c < C
@@ -120,43 +120,55 @@ def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, W: tl.constexpr, BT: tl.const
                        other=0.)
         b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
         b_dx += b_da.to(tl.float32) * b_w[None, :]
-    tl.store(dx + o_t[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    tl.store(dx + o_t[:, None] * stride_dx + o_c[None, :], b_dx.to(dx.dtype.element_ty),
+             mask=m_t[:, None] & m_c[None, :])
 
 
 class ShortConvSiLU(torch.autograd.Function):
-    """Saves x (a view: no copy), the weight and the positions; the backward recomputes the pre-activation."""
+    """Saves x (a view: no copy), the weight and the positions; the backward recomputes the pre-activation. Each
+    group of channels is its own launch of each kernel, on column slices of x, the weight and dx."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,  # noqa: ANN001
-                groups: int) -> torch.Tensor:
-        T, C = x.shape
-        y = torch.empty(groups, T, C // groups, dtype=x.dtype, device=x.device)
-        grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]))  # noqa: E731
-        short_conv_fwd_kernel[grid](x, weight, positions, y, T, C, C // groups, x.stride(0), W=weight.shape[1])
+                groups: int) -> tuple[torch.Tensor, ...]:
+        T, CG = x.shape[0], x.shape[1] // groups
+        ys = tuple(torch.empty(T, CG, dtype=x.dtype, device=x.device) for _ in range(groups))
+        grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(CG, meta["BC"]))  # noqa: E731
+        for g, y in enumerate(ys):
+            short_conv_fwd_kernel[grid](x[:, g * CG:], weight[g * CG:], positions, y, T, CG, x.stride(0),
+                                        W=weight.shape[1])
         ctx.save_for_backward(x, weight, positions)
-        return y
+        return ys
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # noqa: ANN001
+    def backward(ctx, *dys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # noqa: ANN001
         x, weight, positions = ctx.saved_tensors
         (T, C), W = x.shape, weight.shape[1]
-        # da in dy's dtype: in bf16 its rounding is that of dy itself; the weight gradient uses it in float32
-        da = torch.empty(T, C, dtype=dy.dtype, device=x.device)
+        CG = C // len(dys)
         n_programs = triton.cdiv(T, BWD_ROWS)
-        dw = torch.empty(n_programs, C, W, dtype=torch.float32, device=x.device)
-        short_conv_bwd_da_kernel[lambda meta: (n_programs, triton.cdiv(C, meta["BC"]))](
-            x, weight, positions, dy.contiguous(), da, dw, T, C, C // dy.shape[0], x.stride(0), W=W,
-            WP=triton.next_power_of_2(W), ROWS=BWD_ROWS)
         dx = torch.empty(T, C, dtype=x.dtype, device=x.device)
-        short_conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]))](
-            da, weight, positions, dx, T, C, W=W)
-        return dx, dw.sum(0).to(weight.dtype), None, None
+        dweight = torch.empty(C, W, dtype=torch.float32, device=x.device)
+        # One group's at a time. da in dy's dtype: in bf16 its rounding is that of dy itself; the weight gradient
+        # uses it in float32.
+        da = torch.empty(T, CG, dtype=dys[0].dtype, device=x.device)
+        dw = torch.empty(n_programs, CG, W, dtype=torch.float32, device=x.device)
+        for g, dy in enumerate(dys):
+            cols = slice(g * CG, (g + 1) * CG)
+            short_conv_bwd_da_kernel[lambda meta: (n_programs, triton.cdiv(CG, meta["BC"]))](
+                x[:, cols], weight[cols], positions, dy.contiguous(), da, dw, T, CG, x.stride(0), W=W,
+                WP=triton.next_power_of_2(W), ROWS=BWD_ROWS)
+            short_conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(CG, meta["BC"]))](
+                da, weight[cols], positions, dx[:, cols], T, CG, C, W=W)
+            torch.sum(dw, 0, out=dweight[cols])
+        return dx, dweight.to(weight.dtype), None, None
 
 
-def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, groups: int = 1) -> torch.Tensor:
+def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+                    groups: int = 1) -> tuple[torch.Tensor, ...]:
     """``silu(Σ_j weight[:, j] · x_{t−j})`` for x ``[T, C]`` (rows any stride) and weight ``[C, width]``, where
     ``x_{t−j}`` is zero once it lies before token t's document (``positions[t] < j``, positions: the offset of each
-    token in its document). Returns ``[groups, T, C // groups]`` in x's dtype; float32 math.
+    token in its document). Returns ``groups`` contiguous tensors ``[T, C // groups]`` (channel c in group
+    ``c // (C // groups)``) in x's dtype; float32 math.
 
     Triton on CUDA (and on the CPU under ``TRITON_INTERPRET=1``), ``naive_short_conv_silu`` elsewhere."""
     if x.dim() != 2:

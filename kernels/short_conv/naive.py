@@ -7,10 +7,11 @@ import torch.nn.functional as F
 
 
 def naive_short_conv_silu(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-                          groups: int = 1) -> torch.Tensor:
+                          groups: int = 1) -> tuple[torch.Tensor, ...]:
     """``silu(Σ_j weight[:, j] · x_{t−j})`` for x ``[T, C]`` (any strides) and weight ``[C, width]``, where
     ``x_{t−j}`` counts as zero once it lies before token t's document (``positions[t] < j``) or before the first
-    row. Float32 math; returns ``[groups, T, C // groups]`` in x's dtype (channel c in group ``c // (C // groups)``).
+    row. Float32 math; returns ``groups`` contiguous tensors ``[T, C // groups]`` in x's dtype (channel c in group
+    ``c // (C // groups)``).
 
     The zero is selected, not a subtraction, so no rounding residue of the previous document reaches a token."""
     T, C = x.shape
@@ -19,4 +20,4 @@ def naive_short_conv_silu(x: torch.Tensor, weight: torch.Tensor, positions: torc
     for j in range(1, weight.shape[1]):
         shifted = F.pad(xf, (0, 0, j, 0))[:T]  # x_{t-j}
         acc = acc + torch.where((positions >= j)[:, None], shifted, 0.0) * w[:, j]
-    return F.silu(acc).to(x.dtype).view(T, groups, C // groups).transpose(0, 1).contiguous()
+    return tuple(y.contiguous() for y in F.silu(acc).to(x.dtype).split(C // groups, dim=1))

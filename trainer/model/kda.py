@@ -109,16 +109,14 @@ class KDALayer(nn.Module):
             x = torch.cat([before, x])
         H, K = self.config.n_heads, self.config.head_dim
         # The six projections of x as one GEMM; q, k, v (side by side in it) through their three short convolutions
-        # in one kernel, which writes them as three contiguous tensors (unbind: one stack of their gradients).
+        # in one kernel, which writes them as three tensors of their own: the KDA kernel keeps v for its backward
+        # without keeping q and k (before their L2 norm, which nothing needs) alive.
         qkv, b, z_low, gate = joint_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.b_proj, self.g_down,
                                            self.gate_proj)
         convs = (self.q_conv, self.k_conv, self.v_conv)
-        qkv = short_conv_silu(qkv, torch.cat([conv.weight for conv in convs]), positions, groups=3)
         T = x.shape[0] - halo
-        q, k, v = (t[halo:].view(1, T, H, K) for t in qkv.unbind(0))
-        # The kernel keeps v for its backward, and as a view v would keep the whole [3, T, H·K] buffer alive: q and
-        # k before their L2 norm, which nothing needs (512 MiB per kept layer at 131K tokens). A copy of v frees it.
-        v = v.clone()
+        q, k, v = (t[halo:].view(1, T, H, K) for t in short_conv_silu(
+            qkv, torch.cat([conv.weight for conv in convs]), positions, groups=3))
         beta = torch.sigmoid(b[halo:].float()).view(1, T, H)
         z = self.g_up(z_low[halo:]).view(1, T, H, K)
         o, ht = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=cu_seqlens, initial_state=h0,
