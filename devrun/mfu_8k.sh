@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 9's device call (devrun/README.md, "Next trainer calls"): first the GPU tests given in TESTS within
-# TEST_SECONDS (first: a test run cut by its limit reports nothing, a cut stage still returns the steps it finished),
+# TEST_SECONDS (verbose, so a run cut by its limit still names each test it finished; a cut stage returns its steps),
 # then the AttnRes mixture's bench (BENCH=0 skips it), also for each untracked variant kernels/attn_res/mix_*.py put
 # in mix.py's place in turn (an A/B: the tree's kernel first), then the 8k stage through DeepSpeed with its config's
 # profiled step (STAGE=0 skips it). Run after the wheel-install prefix with a call limit of 600 s, carry [".whl",
@@ -24,7 +24,7 @@ export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.cache/triton TORCHINDUCT
 pack_cache() { tar czf - .cache 2>/dev/null | split -b 15m - "$OUT/cache.tgz.part-"; }
 trap pack_cache EXIT
 if [ -n "${TESTS:-}" ]; then
-  timeout -k 5 "${TEST_SECONDS:-60}" python3 -m pytest -n 4 $TESTS -p no:cacheprovider -q -rf > "$OUT/gpu_tests.txt" 2>&1
+  timeout -k 5 "${TEST_SECONDS:-60}" python3 -m pytest -n 4 $TESTS -p no:cacheprovider -v -rf > "$OUT/gpu_tests.txt" 2>&1
   tail -4 "$OUT/gpu_tests.txt"
 fi
 if [ "${BENCH:-1}" = 1 ]; then

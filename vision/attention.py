@@ -213,7 +213,9 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if mask.cu_seqlens is not None or mask.block_mask is not None:
         q, k, v = (compact_if_huge(t) for t in (q, k, v))
     if mask.cu_seqlens is not None:
-        rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, H, D]: the projections' own layout
+        # [T, H, D]: the projections' own layout. squeeze, not t[0]: a select's backward writes its gradient into
+        # fresh zeros of the input's size (a fill and a copy of each of q, k and v per layer), a squeeze's is a view.
+        rows = [t.squeeze(0).transpose(0, 1) for t in (q, k, v)]
         out = varlen_flash_attention(*rows, mask.cu_seqlens, mask.max_length, causal=mask.causal, scale=scale)
         return out.transpose(0, 1).unsqueeze(0)
     if mask.block_mask is not None:

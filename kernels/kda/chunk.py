@@ -8,7 +8,7 @@ import torch
 from kernels.kda.chunk_bwd import chunk_kda_bwd
 from kernels.kda.chunk_fwd import chunk_kda_fwd_h
 from kernels.kda.chunk_intra import chunk_kda_fwd_intra
-from kernels.kda.gate import kda_gate
+from kernels.kda.gate import gate_param_grads, kda_gate
 from kernels.kda.host_cache import HOST_CU_SEQLENS, TensorMemo
 from kernels.kda.l2norm import l2norm, l2norm_reference
 from kernels.kda.naive import CHUNK, naive_chunk_kda
@@ -99,27 +99,13 @@ class ChunkKDAFunction(torch.autograd.Function):
             cu_seqlens, chunk_offsets, order, chunks, _precisions(q.dtype)[0])
         dA_log = d_dt_bias = None
         if A_log is not None:
-            dA_log, d_dt_bias = _gate_param_grads(dg, g, dt_bias)
+            dA_log, d_dt_bias = gate_param_grads(dg, g, dt_bias)
             dA_log = dA_log.to(A_log.dtype)
             d_dt_bias = d_dt_bias.to(dt_bias.dtype) if dt_bias is not None else None
         shape = (B, T, H)
         return (dq.view(*shape, K), dk.view(*shape, K), dv.view(*shape, V), dg.view(*shape, K),
                 dbeta.view(shape).to(beta.dtype), dA_log, d_dt_bias, None, None,
                 dh0.to(h0_dtype) if has_h0 else None, None, None)
-
-
-def _gate_param_grads(dz: torch.Tensor, z: torch.Tensor, dt_bias: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dA_log [H] = sum dz (z + dt_bias) and d dt_bias [H*K] = sum dz, in float32 slices of 64K tokens."""
-    _, T, H, K = z.shape
-    dA, db = z.new_zeros(H, dtype=torch.float32), z.new_zeros(H, K, dtype=torch.float32)
-    for i in range(0, T, 1 << 16):
-        ds, x = dz[0, i:i + (1 << 16)].float(), z[0, i:i + (1 << 16)].float()
-        if dt_bias is not None:
-            x = x + dt_bias.float().view(H, K)
-        dA += (ds * x).sum((0, 2))
-        db += ds.sum(0)
-    return dA, db.reshape(-1)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -28,6 +28,12 @@ __all__ = ["ShortConv", "KDALayer"]
 _DECAY_INIT = (1e-3, 0.5)
 
 
+def past_halo(x: torch.Tensor, halo: int) -> torch.Tensor:
+    """x's rows after the first ``halo``; x itself when there are none: even a full slice records a backward that
+    writes the gradient into fresh zeros of x's size (a fill and a copy per tensor: six per KDA layer)."""
+    return x[halo:] if halo else x
+
+
 class ShortConv(nn.Module):
     """Causal depthwise convolution + SiLU that never reaches into the previous document
     (``kernels.short_conv``); ``weight[:, j]`` multiplies ``x_{t-j}``."""
@@ -115,12 +121,12 @@ class KDALayer(nn.Module):
                                            self.gate_proj)
         convs = (self.q_conv, self.k_conv, self.v_conv)
         T = x.shape[0] - halo
-        q, k, v = (t[halo:].view(1, T, H, K) for t in short_conv_silu(
+        q, k, v = (past_halo(t, halo).view(1, T, H, K) for t in short_conv_silu(
             qkv, torch.cat([conv.weight for conv in convs]), positions, groups=3))
-        beta = torch.sigmoid(b[halo:].float()).view(1, T, H)
-        z = self.g_up(z_low[halo:]).view(1, T, H, K)
+        beta = torch.sigmoid(past_halo(b, halo).float()).view(1, T, H)
+        z = self.g_up(past_halo(z_low, halo)).view(1, T, H, K)
         o, ht = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=cu_seqlens, initial_state=h0,
                           output_final_state=h0 is not None, A_log=self.A_log, dt_bias=self.dt_bias,
                           g_min=self.config.gate_lower_bound, use_qk_l2norm=True)
-        o = gated_rms_norm(o.view(T, H, K), self.o_norm.weight, self.o_norm.eps, gate[halo:].view(T, H, K))
+        o = gated_rms_norm(o.view(T, H, K), self.o_norm.weight, self.o_norm.eps, past_halo(gate, halo).view(T, H, K))
         return self.o_proj(o.reshape(T, H * K)), ht
