@@ -13,12 +13,14 @@ def fwd_bwd_times(call: Callable[[], torch.Tensor | Sequence[torch.Tensor]],
     """Median ms of ``call()`` and of its backward from fixed random gradients of its output (or outputs)
     (``triton.testing.do_bench``, CUDA events), after one untimed step so compiles and autotuning stay out;
     ``leaves``' gradients are cleared between backward runs."""
-    outputs = call()
-    dys = [torch.randn_like(y) for y in ((outputs,) if isinstance(outputs, torch.Tensor) else outputs)]
+    def outputs() -> tuple[torch.Tensor, ...]:
+        out = call()
+        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+    dys = [torch.randn_like(y) for y in outputs()]
 
     def step() -> None:
-        outputs = call()
-        torch.autograd.backward((outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs), dys)
+        torch.autograd.backward(outputs(), dys)
 
     step()
     return dict(fwd_ms=triton.testing.do_bench(call, return_mode="median"),

@@ -34,8 +34,8 @@ FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0
                 "dots", "s_ptr", "ds_ptr"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
-SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "CG": "i32",
-               "stride_x": "i32", "stride_dx": "i32", "M": "i32", "F_DIM": "i32", "acc": "i32"}
+SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "stride_x": "i32",
+               "stride_dx": "i32", "M": "i32", "F_DIM": "i32", "acc": "i32"}
 TUPLE_ARGS = {"srcs": "*bf16", "dsrcs": "*bf16", "rms": "*fp32", "drms": "*fp32"}  # N pointers each
 
 

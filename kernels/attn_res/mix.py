@@ -253,8 +253,7 @@ class AttnResMix(torch.autograd.Function):
         dg = torch.empty_like(dw) if weight is not None else dw
         attn_res_bwd_kernel[(programs,)](
             sources, rms, query, weight if weight is not None else query, logits, torch.empty_like(logits),
-            dy.contiguous(), tuple(dsrcs),
-            drms, dw, dg, T, ctx.eps, accumulate, ROWS=BWD_ROWS, **ctx.meta)
+            dy.contiguous(), tuple(dsrcs), drms, dw, dg, T, ctx.eps, accumulate, ROWS=BWD_ROWS, **ctx.meta)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
         dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
         return (dw.sum(0).to(query.dtype), dweight, None, None, *dsources, *drms)
