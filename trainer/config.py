@@ -53,13 +53,18 @@ class StageRun:
     # compute; a short stage whose activations fit can turn it off or recompute only its first N layers, the long
     # ones need all of it (the 1M step does).
     activation_checkpointing: Recompute | None = None
+    # The vision tower's blocks likewise (None: the model preset's). `small` recomputes all 12 for the 1M stage's
+    # packs of images; at 8K the activations of those left out cost about 0.8 GiB per block per 65,536-token
+    # micro-batch of the demo corpus, and each saves its second forward.
+    vision_checkpointing: Recompute | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(self.name), "stages[].name", f"must be a non-empty str, got {self.name!r}")
         _positive(f"stages[{self.name}]", self, "seq_len", "micro_batch", "token_budget")
-        _require(self.activation_checkpointing is None or _is_recompute(self.activation_checkpointing),
-                 f"stages[{self.name}].activation_checkpointing",
-                 f"must be true, false, a number of layers or absent, got {self.activation_checkpointing!r}")
+        for field in ("activation_checkpointing", "vision_checkpointing"):
+            value = getattr(self, field)
+            _require(value is None or _is_recompute(value), f"stages[{self.name}].{field}",
+                     f"must be true, false, a number of layers or absent, got {value!r}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

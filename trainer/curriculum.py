@@ -35,6 +35,7 @@ class StagePlan:
     steps: int
     token_budget: int
     activation_checkpointing: Recompute
+    vision_checkpointing: Recompute | None = None  # None: the model preset's
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -44,7 +45,8 @@ def plan_stage(config: TrainConfig, stage: StageRun, world_size: int) -> StagePl
     return StagePlan(stage=stage.name, seq_len=stage.seq_len, micro_batch=stage.micro_batch,
                      grad_accum=config.grad_accum(stage, world_size), world_size=world_size,
                      tokens_per_step=config.tokens_per_step, steps=config.steps_in(stage),
-                     token_budget=stage.token_budget, activation_checkpointing=config.checkpointing(stage))
+                     token_budget=stage.token_budget, activation_checkpointing=config.checkpointing(stage),
+                     vision_checkpointing=stage.vision_checkpointing)
 
 
 def stage_manifest(config: TrainConfig, stage: StageRun) -> ShardManifest:

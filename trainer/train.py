@@ -114,6 +114,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         model_config = dataclasses.replace(preset(config.model), checkpoint_layers=config.activation_checkpointing)
         self.model_config = model_config
+        self.preset_vision_recompute = model_config.vision.checkpoint_layers   # for stages that do not set theirs
         model = LongweaveModel(model_config)
         schedule = functools.partial(wsd_factor, total_steps=config.total_steps, warmup_steps=config.warmup_steps,
                                      decay_fraction=config.decay_fraction, min_ratio=config.min_lr_ratio)
@@ -156,19 +157,24 @@ class Trainer:
         self.plan = plan_stage(config, stage, self.world_size)
         set_stage_batch(self.engine, stage.micro_batch, self.plan.grad_accum, self.world_size)
         self.model_config.checkpoint_layers = self.plan.activation_checkpointing   # the decoder reads it per forward
-        try:
-            self.model_config.recomputed_layers()
-        except ValueError as err:
-            raise ValueError(f"stages[{name}].activation_checkpointing: {err}") from None
+        vision = self.plan.vision_checkpointing
+        self.model_config.vision.checkpoint_layers = self.preset_vision_recompute if vision is None else vision
+        for field, owner in (("activation_checkpointing", self.model_config),
+                             ("vision_checkpointing", self.model_config.vision)):
+            try:
+                owner.recomputed_layers()
+            except ValueError as err:
+                raise ValueError(f"stages[{name}].{field}: {err}") from None
         self.loader = build_loader(Path(config.data) / name, rank=self.rank, world_size=self.world_size,
                                    num_workers=config.num_workers, seed=config.seed, micro_batch=stage.micro_batch,
                                    policy=config.bad_sample_policy)
         if loader_state is not None:
             self.loader.load_state_dict(loader_state)
         self.batches: Iterator[dict[str, Any]] = iter(self.loader)
-        log.info("stage %s: seq_len %d, micro_batch %d, grad_accum %d, %d steps, activation checkpointing %s", name,
-                 stage.seq_len, stage.micro_batch, self.plan.grad_accum, self.plan.steps,
-                 recompute_label(self.plan.activation_checkpointing))
+        log.info("stage %s: seq_len %d, micro_batch %d, grad_accum %d, %d steps, activation checkpointing %s "
+                 "(vision tower: %s)", name, stage.seq_len, stage.micro_batch, self.plan.grad_accum, self.plan.steps,
+                 recompute_label(self.plan.activation_checkpointing),
+                 recompute_label(self.model_config.vision.checkpoint_layers))
 
     def save_checkpoint(self) -> Path:
         tag = f"step-{self.state.step:08d}"
@@ -230,6 +236,7 @@ class Trainer:
             "micro_batch": self.plan.micro_batch,
             "grad_accum": self.plan.grad_accum,
             "activation_checkpointing": self.model_config.checkpoint_layers,   # as the decoder ran it
+            "vision_checkpointing": self.model_config.vision.checkpoint_layers,
             "loss": float(totals[0] / max(totals[1], 1)),
             "lr": self.engine.lr_scheduler.get_last_lr()[0],
             "grad_norm": grad_norm,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["VisionEncoderConfig", "require_positive_ints"]
+__all__ = ["VisionEncoderConfig", "recompute_count", "require_positive_ints"]
 
 
 def require_positive_ints(owner: object, *names: str) -> None:
@@ -13,6 +13,16 @@ def require_positive_ints(owner: object, *names: str) -> None:
         value = getattr(owner, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{type(owner).__name__}.{name}: must be a positive int, got {value!r}")
+
+
+def recompute_count(field: str, setting: bool | int, n_layers: int) -> int:
+    """Layers, counted from the first, that an activation-checkpointing ``setting`` recomputes: True (all), False
+    (none) or a count in [0, n_layers]; else a ``ValueError`` naming ``field``."""
+    if isinstance(setting, bool):
+        return n_layers if setting else 0
+    if not isinstance(setting, int) or not 0 <= setting <= n_layers:
+        raise ValueError(f"{field}: must be true, false or a layer count in [0, {n_layers}], got {setting!r}")
+    return setting
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -28,7 +38,10 @@ class VisionEncoderConfig:
     mlp_ratio: float = 4.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    checkpoint_layers: bool = False  # recompute each block in backward (long packs of images)
+    # Recompute blocks in the backward (long packs of images): True (every block), False (none), or N (the first N),
+    # as the decoder's ``ModelConfig.checkpoint_layers``: at 8K the tower's activations of the blocks left out fit and
+    # their second forward is saved, at 1M every block recomputes.
+    checkpoint_layers: bool | int = False
 
     def __post_init__(self) -> None:
         require_positive_ints(self, "patch_size", "merge", "d_model", "n_layers", "n_heads")
@@ -42,6 +55,11 @@ class VisionEncoderConfig:
             raise ValueError(f"VisionEncoderConfig.mlp_ratio: must be > 0, got {self.mlp_ratio}")
         if not self.rope_theta > 1:
             raise ValueError(f"VisionEncoderConfig.rope_theta: must be > 1, got {self.rope_theta}")
+        self.recomputed_layers()
+
+    def recomputed_layers(self) -> int:
+        """How many blocks, counted from the first, recompute their activations in the backward."""
+        return recompute_count("VisionEncoderConfig.checkpoint_layers", self.checkpoint_layers, self.n_layers)
 
     @property
     def head_dim(self) -> int:

@@ -149,8 +149,9 @@ class VisionEncoder(nn.Module):
         positions = patch_positions(grid, cfg.merge, device)
         rope = rope_2d(positions, cfg.head_dim, cfg.rope_theta)
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
-        for block in self.blocks:
-            if cfg.checkpoint_layers and torch.is_grad_enabled():
+        recomputed = cfg.recomputed_layers() if torch.is_grad_enabled() else 0
+        for i, block in enumerate(self.blocks):
+            if i < recomputed:
                 x = checkpoint(block, x, rope, mask, use_reentrant=False)
             else:
                 x = block(x, rope, mask)

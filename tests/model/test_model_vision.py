@@ -1,6 +1,7 @@
 """Vision preprocessing matches the planned geometry; the packed encoder keeps every image to itself."""
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -103,6 +104,32 @@ def test_images_in_one_pack_do_not_see_each_other() -> None:
     assert not torch.allclose(packed[:first.n_tokens][:4], changed[:4])
 
 
+def test_only_the_first_n_blocks_recompute() -> None:
+    """checkpoint_layers = N runs blocks 0..N-1 twice per step (forward, then the backward's recompute) and the
+    others once; the output and every gradient are the same whichever blocks recompute."""
+    rng = np.random.default_rng()
+    torch.manual_seed(0)
+    encoder = VisionEncoder(dataclasses.replace(CONFIG, n_layers=3), out_dim=24)
+    calls = [0] * 3
+    for i, block in enumerate(encoder.blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    pixels, grid = batch_images([image_to_patches(_random_image(rng, 60, 100), POLICY)])
+    weights = torch.randn(grid.prod(1).sum().item(), 24)
+
+    def step(setting: bool | int) -> tuple[list[int], dict[str, torch.Tensor]]:
+        calls[:] = [0] * 3
+        encoder.config.checkpoint_layers = setting
+        encoder.zero_grad(set_to_none=True)
+        (encoder(pixels, grid) * weights).sum().backward()
+        return list(calls), {n: p.grad.clone() for n, p in encoder.named_parameters()}
+
+    runs = [step(setting) for setting in (False, 1, True)]  # a list: 1 == True would merge two dict keys
+    assert [calls for calls, _ in runs] == [[1, 1, 1], [2, 1, 1], [2, 2, 2]]
+    for _, grads in runs[1:]:
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, runs[0][1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_encoder_rejects_patches_that_do_not_match_the_grid() -> None:
     encoder = VisionEncoder(CONFIG, out_dim=8)
     pixel_values, grid = batch_images([image_to_patches(_random_image(np.random.default_rng(), 56, 56), POLICY)])
@@ -116,6 +143,8 @@ def test_encoder_rejects_patches_that_do_not_match_the_grid() -> None:
     ("n_heads", dict(d_model=30, n_heads=4), r"VisionEncoderConfig.n_heads: must divide d_model=30"),
     ("n_heads", dict(d_model=24, n_heads=4), r"head_dim d_model/n_heads must be a multiple of 4, got 6"),
     ("n_layers", dict(n_layers=0), r"VisionEncoderConfig.n_layers: must be a positive int, got 0"),
+    ("checkpoint_layers", dict(n_layers=2, checkpoint_layers=3),
+     r"VisionEncoderConfig.checkpoint_layers: must be true, false or a layer count in \[0, 2\], got 3"),
 ])
 def test_config_errors_name_the_field(field: str, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

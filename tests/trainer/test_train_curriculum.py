@@ -158,9 +158,10 @@ def test_config_errors_name_the_field(short_shards: Path) -> None:
     with pytest.raises(ValueError, match="unknown config key"):
         TrainConfig.from_dict({"data": "x", "tokens_per_step": 1, "stages": [], "colour": 1})
     for bad in ("yes", -1):
-        with pytest.raises(ValueError, match=r"stages\[c\]\.activation_checkpointing: must be true, false, a number of "
-                                             r"layers or absent, got"):
-            StageRun(name="c", seq_len=8, token_budget=8, activation_checkpointing=bad)
+        for field in ("activation_checkpointing", "vision_checkpointing"):
+            with pytest.raises(ValueError, match=rf"stages\[c\]\.{field}: must be true, false, a number of "
+                                                 r"layers or absent, got"):
+                StageRun(name="c", seq_len=8, token_budget=8, **{field: bad})
     with pytest.raises(ValueError, match=r"^activation_checkpointing: must be true, false or a number of layers"):
         TrainConfig(data=str(short_shards), tokens_per_step=3000, stages=stages, activation_checkpointing=1.5)
     # How `stage plan` and the logs show each setting.

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from vision.config import VisionEncoderConfig, require_positive_ints
+from vision.config import VisionEncoderConfig, recompute_count, require_positive_ints
 
 __all__ = [
     "KDAConfig", "MLAConfig", "MoEConfig", "AttnResConfig", "ModelConfig", "VisionEncoderConfig",
@@ -155,13 +155,7 @@ class ModelConfig:
 
     def recomputed_layers(self) -> int:
         """How many decoder layers, counted from the first, recompute their activations in the backward."""
-        setting = self.checkpoint_layers
-        if isinstance(setting, bool):
-            return self.n_layers if setting else 0
-        if not isinstance(setting, int) or not 0 <= setting <= self.n_layers:
-            raise ValueError(f"ModelConfig.checkpoint_layers: must be true, false or a layer count in "
-                             f"[0, {self.n_layers}], got {setting!r}")
-        return setting
+        return recompute_count("ModelConfig.checkpoint_layers", self.checkpoint_layers, self.n_layers)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
