@@ -4,25 +4,25 @@
 # then the AttnRes mixture's bench (BENCH=0 skips it), also for each untracked variant kernels/attn_res/mix_*.py put
 # in mix.py's place in turn (an A/B: the tree's kernel first), then the 8k stage through DeepSpeed with its config's
 # profiled step (STAGE=0 skips it). Run after the wheel-install prefix with a call limit of 600 s, carry [".whl",
-# ".devdata"] (and ".cache.tgz" when it exists, see below). The run folder stays in /tmp (a call returns at most 8
+# ".devdata"] (and ".cache.txz" when it exists, see below). The run folder stays in /tmp (a call returns at most 8
 # files); its metrics, profile summary and kernel CSV are copied to $OUT as they appear, so a call cut off by its
-# limit still returns the steps it finished. STAGE_CONFIG and STAGE_SECONDS (default 390) pick the stage run; the
-# default config is devrun/gpu_small_8k_ac2.yaml (129.6 GiB peak on the H200), or devrun/gpu_small_8k_h100.yaml (half
-# the micro-batch) on a GPU of under 100 GB.
+# limit still returns the steps it finished. STAGE_CONFIG (one or more) and STAGE_SECONDS (default 390, each) pick the
+# stage runs; the default config is devrun/gpu_small_8k_ac2.yaml (129.6 GiB peak on the H200), or
+# devrun/gpu_small_8k_h100.yaml (half the micro-batch) on a GPU of under 100 GB.
 set -u
 export PYTHONUNBUFFERED=1
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 default_config=devrun/gpu_small_8k_ac2.yaml
 [ "${gpu_mib:-0}" -gt 0 ] && [ "${gpu_mib}" -lt 100000 ] && default_config=devrun/gpu_small_8k_h100.yaml
 echo "GPU memory ${gpu_mib:-unknown} MiB: stage config ${STAGE_CONFIG:-$default_config}"
-# Triton's and Inductor's caches (autotuning results included) from an earlier call, when carried as .cache.tgz: the
-# stage's first step then takes 22 s instead of 195-230 s (2026-12-04). The call leaves the updated caches in
-# $OUT/cache.tgz.part-* (a call returns no file over about 16 MB; the H100 recipe's caches came to more): join them
-# as .cache.tgz at the repository root (`cat cache.tgz.part-* > .cache.tgz`) and carry it.
+# Triton's and Inductor's caches (autotuning results included) from an earlier call, when carried as .cache.txz: the
+# stage's first step then takes about 20 s instead of 143-230 s. The call leaves the updated caches, xz-compressed
+# (23 against 49 MB as a .tgz, so that .whl, .devdata and the cache fit the 64 MiB carry), in $OUT/cache.txz.part-*
+# (a call returns no file over about 16 MB): join them as .cache.txz at the repository root (`cat cache.txz.part-* >
+# .cache.txz`) and carry it.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.cache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor
-[ -f .cache.tgz ] && tar xzf .cache.tgz
-[ -f .cache.txz ] && tar xJf .cache.txz  # the same recompressed with xz (22.7 against 49 MB): carry fits 64 MiB
-pack_cache() { tar czf - .cache 2>/dev/null | split -b 15m - "$OUT/cache.tgz.part-"; }
+[ -f .cache.txz ] && tar xJf .cache.txz
+pack_cache() { tar cf - .cache 2>/dev/null | xz -T0 -6 | split -b 15m - "$OUT/cache.txz.part-"; }
 trap pack_cache EXIT
 if [ -n "${TESTS:-}" ]; then
   timeout -k 5 "${TEST_SECONDS:-60}" python3 -m pytest -n 4 $TESTS -p no:cacheprovider -v -rf > "$OUT/gpu_tests.txt" 2>&1
@@ -44,16 +44,23 @@ if [ "${BENCH:-1}" = 1 ]; then
   cp /tmp/mix_tree.py kernels/attn_res/mix.py
 fi
 if [ "${STAGE:-1}" = 1 ]; then
-  # The copier's output goes nowhere: a background job holding the call's stdout keeps a `| tee` open to the limit
-  # (2026-12-04: 140 s of device time lost that way).
-  (while sleep 5; do cp /tmp/run/metrics.jsonl /tmp/run/profile-step* "$OUT/" 2>/dev/null; done) >/dev/null 2>&1 &
-  copier=$!
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${STAGE_SECONDS:-390}" \
-    python3 -m trainer.train --run /tmp/run --config "${STAGE_CONFIG:-$default_config}" \
-    > "$OUT/train.log" 2>&1
-  kill $copier
-  cp /tmp/run/metrics.jsonl /tmp/run/profile-step* "$OUT/" 2>/dev/null
-  grep "INFO.*step [0-9]" "$OUT/train.log" | tail -6
-  grep -i -m5 "error\|out of memory" "$OUT/train.log"
+  # STAGE_CONFIG may name several configs (an A/B in one call, the caches shared): each runs in turn, within
+  # STAGE_SECONDS, as /tmp/run-N; its metrics come back as metrics-N.jsonl and its log as train-N.log.
+  n=0
+  for config in ${STAGE_CONFIG:-$default_config}; do
+    n=$((n + 1)); run=/tmp/run-$n
+    echo "== $n: $config"
+    # The copier's output goes nowhere: a background job holding the call's stdout keeps a `| tee` open to the limit
+    # (2026-12-04: 140 s of device time lost that way).
+    (while sleep 5; do cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl"; cp $run/profile-step* "$OUT/"; done) \
+      >/dev/null 2>&1 &
+    copier=$!
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${STAGE_SECONDS:-390}" \
+      python3 -m trainer.train --run $run --config "$config" > "$OUT/train-$n.log" 2>&1
+    kill $copier
+    cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl" 2>/dev/null; cp $run/profile-step* "$OUT/" 2>/dev/null
+    grep "INFO.*step [0-9]" "$OUT/train-$n.log" | tail -6
+    grep -i -m5 "error\|out of memory" "$OUT/train-$n.log"
+  done
   sed -n '/GPU time per step by kind/,$p' "$OUT"/profile-step*.txt 2>/dev/null
 fi
