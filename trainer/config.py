@@ -139,6 +139,14 @@ class TrainConfig:
         """Which layers this stage recomputes in the backward: its own setting, else the run's."""
         return self.activation_checkpointing if stage.activation_checkpointing is None else stage.activation_checkpointing
 
+    def vision_checkpointing(self, stage: StageRun) -> Recompute:
+        """Which vision-tower blocks this stage recomputes in the backward: its own setting, else the model
+        preset's."""
+        if stage.vision_checkpointing is not None:
+            return stage.vision_checkpointing
+        from trainer.model.config import preset  # here: the model package loads torch, which parsing a config need not
+        return preset(self.model).vision.checkpoint_layers
+
     def steps_in(self, stage: StageRun) -> int:
         return stage.token_budget // self.tokens_per_step
 

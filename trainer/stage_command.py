@@ -48,12 +48,12 @@ def _print(action: str, result: dict) -> None:
     if action == "plan":
         table = Table(title=f"curriculum (current {result['current']}, next {result['next']})")
         for col in ("stage", "seq_len", "micro_batch", "grad_accum", "world_size", "tokens/step", "steps", "budget",
-                    "recompute"):
+                    "recompute", "vision recompute"):
             table.add_column(col, justify="right")
         for p in result["stages"]:
             table.add_row(p["stage"], f"{p['seq_len']:,}", str(p["micro_batch"]), str(p["grad_accum"]),
                           str(p["world_size"]), f"{p['tokens_per_step']:,}", f"{p['steps']:,}", f"{p['token_budget']:,}",
-                          recompute_label(p["activation_checkpointing"]))
+                          recompute_label(p["activation_checkpointing"]), recompute_label(p["vision_checkpointing"]))
         console.print(table)
     else:
         table = Table(title=f"stage {action}")

@@ -114,7 +114,6 @@ class Trainer:
         torch.manual_seed(config.seed)
         model_config = dataclasses.replace(preset(config.model), checkpoint_layers=config.activation_checkpointing)
         self.model_config = model_config
-        self.preset_vision_recompute = model_config.vision.checkpoint_layers   # for stages that do not set theirs
         model = LongweaveModel(model_config)
         schedule = functools.partial(wsd_factor, total_steps=config.total_steps, warmup_steps=config.warmup_steps,
                                      decay_fraction=config.decay_fraction, min_ratio=config.min_lr_ratio)
@@ -157,8 +156,7 @@ class Trainer:
         self.plan = plan_stage(config, stage, self.world_size)
         set_stage_batch(self.engine, stage.micro_batch, self.plan.grad_accum, self.world_size)
         self.model_config.checkpoint_layers = self.plan.activation_checkpointing   # the decoder reads it per forward
-        vision = self.plan.vision_checkpointing
-        self.model_config.vision.checkpoint_layers = self.preset_vision_recompute if vision is None else vision
+        self.model_config.vision.checkpoint_layers = self.plan.vision_checkpointing
         for field, owner in (("activation_checkpointing", self.model_config),
                              ("vision_checkpointing", self.model_config.vision)):
             try:
@@ -174,7 +172,7 @@ class Trainer:
         log.info("stage %s: seq_len %d, micro_batch %d, grad_accum %d, %d steps, activation checkpointing %s "
                  "(vision tower: %s)", name, stage.seq_len, stage.micro_batch, self.plan.grad_accum, self.plan.steps,
                  recompute_label(self.plan.activation_checkpointing),
-                 recompute_label(self.model_config.vision.checkpoint_layers))
+                 recompute_label(self.plan.vision_checkpointing))
 
     def save_checkpoint(self) -> Path:
         tag = f"step-{self.state.step:08d}"

@@ -170,18 +170,19 @@ def test_config_errors_name_the_field(short_shards: Path) -> None:
 
 
 def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_shards: Path, tmp_path: Path) -> None:
-    """Also: the first stage recomputes only its first decoder layer, the second keeps the run's setting (every
-    layer); the second step runs under the profiler."""
+    """Also: the first stage recomputes only its first decoder layer and its first vision block, the second keeps
+    the run's setting (every layer) and the preset's (no block); the second step runs under the profiler."""
     config = tmp_path / "config.yaml"
     text = _config_yaml(short_shards, 2, 1, save_checkpoints=False, activation_checkpointing=True, profile_step=2)
     config.write_text(text.replace("micro_batch: 1, token_budget: 2048}", "micro_batch: 1, token_budget: 2048, "
-                                   "activation_checkpointing: 1}"))
+                                   "activation_checkpointing: 1, vision_checkpointing: 1}"))
     run = tmp_path / "run"
     proc = _train(run, config)
     assert proc.wait(timeout=900) == 0, proc.stderr.read().decode()[-3000:]
     metrics = _metrics(run)
-    assert [(m["step"], m["stage"], m["micro_batch"], m["grad_accum"], m["activation_checkpointing"])
-            for m in metrics] == [(1, "s512", 1, 2, 1), (2, "s512", 1, 2, 1), (3, "s1k", 1, 1, True)]
+    assert [(m["step"], m["stage"], m["micro_batch"], m["grad_accum"], m["activation_checkpointing"],
+             m["vision_checkpointing"]) for m in metrics] == [(1, "s512", 1, 2, 1, 1), (2, "s512", 1, 2, 1, 1),
+                                                              (3, "s1k", 1, 1, True, False)]
     assert all(m["process_seconds"] >= m["step_seconds"] > 0 for m in metrics)
     assert RunDir(run).complete_checkpoints() == []  # none at the transition, periodically, or at the end
     assert [p.name for p in run.glob("profile-step*.txt")] == ["profile-step2.txt"]
@@ -215,8 +216,10 @@ def test_non_finite_gradients_stop_the_run_loudly(short_shards: Path, tmp_path: 
     assert f"step {metrics[-1]['step']} (s512)" in err and "trainer.model.finite_check" in err
 
 
-@pytest.mark.parametrize("name", ["gpu_small.yaml", "cpu_tiny.yaml"])
-def test_device_recipe_plans_every_stage(name: str) -> None:
+@pytest.mark.parametrize(("name", "vision_recompute"), [("gpu_small.yaml", True), ("cpu_tiny.yaml", False)])
+def test_device_recipe_plans_every_stage(name: str, vision_recompute: bool) -> None:
+    """Also: stages that leave the vision tower's recompute unset get their preset's (every block for `small`, none
+    for `tiny`)."""
     from trainer.config import load_train_config
 
     config = load_train_config(Path(__file__).parents[2] / "devrun" / name)
@@ -224,6 +227,7 @@ def test_device_recipe_plans_every_stage(name: str) -> None:
     assert [(p.stage, p.micro_batch, p.grad_accum) for p in plans] == [
         ("8k", 16, 8), ("64k", 2, 8), ("256k", 1, 4), ("1m", 1, 1)]
     assert all(p.steps >= 1 for p in plans) and not config.save_checkpoints and config.activation_checkpointing
+    assert [p.vision_checkpointing for p in plans] == [vision_recompute] * 4
 
 
 def test_device_recipe_of_the_1m_step_alone() -> None:
