@@ -45,17 +45,20 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 if [ "${STAGE:-1}" = 1 ]; then
   # STAGE_CONFIG may name several configs (an A/B in one call, the caches shared): each runs in turn, within
-  # STAGE_SECONDS, as /tmp/run-N; its metrics come back as metrics-N.jsonl and its log as train-N.log.
+  # STAGE_SECONDS, as /tmp/run-N; its metrics come back as metrics-N.jsonl and its log as train-N.log. An entry
+  # VAR=value@config runs that config with VAR set (LONGWEAVE_ATTENTION=flex@devrun/gpu_small_8k_h100.yaml).
   n=0
-  for config in ${STAGE_CONFIG:-$default_config}; do
+  for entry in ${STAGE_CONFIG:-$default_config}; do
+    config=${entry##*@}; settings=
+    [ "$entry" != "$config" ] && settings=${entry%@*}
     n=$((n + 1)); run=/tmp/run-$n
-    echo "== $n: $config"
+    echo "== $n: $entry"
     # The copier's output goes nowhere: a background job holding the call's stdout keeps a `| tee` open to the limit
     # (2026-12-04: 140 s of device time lost that way).
     (while sleep 5; do cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl"; cp $run/profile-step* "$OUT/"; done) \
       >/dev/null 2>&1 &
     copier=$!
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${STAGE_SECONDS:-390}" \
+    env $settings PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${STAGE_SECONDS:-390}" \
       python3 -m trainer.train --run $run --config "$config" > "$OUT/train-$n.log" 2>&1
     kill $copier
     cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl" 2>/dev/null; cp $run/profile-step* "$OUT/" 2>/dev/null
