@@ -52,6 +52,7 @@ if [ "${STAGE:-1}" = 1 ]; then
     config=${entry##*@}; settings=
     [ "$entry" != "$config" ] && settings=${entry%@*}
     n=$((n + 1)); run=/tmp/run-$n
+    rm -rf "$run"  # a warm machine keeps /tmp: the trainer would take an earlier call's run for one to resume
     echo "== $n: $entry"
     # The copier's output goes nowhere: a background job holding the call's stdout keeps a `| tee` open to the limit
     # (2026-12-04: 140 s of device time lost that way).
