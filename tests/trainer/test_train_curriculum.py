@@ -248,18 +248,19 @@ def test_device_recipe_of_8k_without_recompute() -> None:
         ("8k", 4, 32, 3, False)]
 
 
-@pytest.mark.parametrize(("name", "micro_batch", "grad_accum", "recomputed", "profiled"), [
-    ("gpu_small_8k_ac2.yaml", 16, 8, 2, 5), ("gpu_small_8k_h100.yaml", 8, 16, 8, 2)])
+@pytest.mark.parametrize(("name", "micro_batch", "grad_accum", "recomputed", "vision", "profiled"), [
+    ("gpu_small_8k_ac2.yaml", 16, 8, 2, True, 5), ("gpu_small_8k_h100.yaml", 8, 16, 6, 9, 2)])
 def test_device_recipe_of_8k_with_some_layers_recomputed(name: str, micro_batch: int, grad_accum: int,
-                                                         recomputed: int, profiled: int) -> None:
-    """The MFU recipes of `devrun/mfu_8k.sh` (H200, and H100 with half the micro-batch): 1,048,576 tokens a step;
-    the H100's profiles its second step (a cold call's first leaves too little time for a later one)."""
+                                                         recomputed: int, vision: bool | int, profiled: int) -> None:
+    """The MFU recipes of `devrun/mfu_8k.sh` (H200, and H100 with half the micro-batch and 9 of the vision tower's
+    12 blocks recomputed): 1,048,576 tokens a step; the H100's profiles its second step (a cold call's first leaves
+    too little time for a later one)."""
     from trainer.config import load_train_config
 
     config = load_train_config(Path(__file__).parents[2] / "devrun" / name)
     plans = [plan_stage(config, stage, world_size=1) for stage in config.stages]
-    assert [(p.stage, p.micro_batch, p.grad_accum, p.steps, p.activation_checkpointing) for p in plans] == [
-        ("8k", micro_batch, grad_accum, 5, recomputed)] and config.profile_step == profiled
+    assert [(p.stage, p.micro_batch, p.grad_accum, p.steps, p.activation_checkpointing, p.vision_checkpointing)
+            for p in plans] == [("8k", micro_batch, grad_accum, 5, recomputed, vision)] and config.profile_step == profiled
     assert micro_batch * grad_accum * 8192 == config.tokens_per_step
 
 
