@@ -16,10 +16,10 @@ default_config=devrun/gpu_small_8k_ac2.yaml
 [ "${gpu_mib:-0}" -gt 0 ] && [ "${gpu_mib}" -lt 100000 ] && default_config=devrun/gpu_small_8k_h100.yaml
 echo "GPU memory ${gpu_mib:-unknown} MiB: stage config ${STAGE_CONFIG:-$default_config}"
 # Triton's and Inductor's caches (autotuning results included) from an earlier call, when carried as .cache.txz: the
-# stage's first step then takes about 20 s instead of 143-230 s. The call leaves the updated caches, xz-compressed
-# (23 against 49 MB as a .tgz, so that .whl, .devdata and the cache fit the 64 MiB carry), in $OUT/cache.txz.part-*
-# (a call returns no file over about 16 MB): join them as .cache.txz at the repository root (`cat cache.txz.part-* >
-# .cache.txz`) and carry it.
+# stage's first step then takes about 20 s instead of 143-230 s. The call leaves the updated caches xz-compressed
+# (6.5 MB on 2026-12-06; a larger one was 23 MB against 49 as a .tgz), so .whl, .devdata and the cache fit the 64 MiB
+# carry, in $OUT/cache.txz.part-* (a call returns no file over about 16 MB): join them as .cache.txz at the
+# repository root (`cat cache.txz.part-* > .cache.txz`) and carry it.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.cache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor
 [ -f .cache.txz ] && tar xJf .cache.txz
 pack_cache() { tar cf - .cache 2>/dev/null | xz -T0 -6 | split -b 15m - "$OUT/cache.txz.part-"; }

@@ -251,8 +251,8 @@ def test_device_recipe_of_8k_without_recompute() -> None:
 @pytest.mark.parametrize(("name", "micro_batch", "grad_accum", "recomputed", "vision", "profiled"), [
     ("gpu_small_8k_ac2.yaml", 16, 8, 2, True, 5), ("gpu_small_8k_h100.yaml", 8, 16, 6, 9, 2),
     ("gpu_small_8k_h200.yaml", 8, 16, False, False, 2)])
-def test_device_recipe_of_8k_with_some_layers_recomputed(name: str, micro_batch: int, grad_accum: int,
-                                                         recomputed: int, vision: bool | int, profiled: int) -> None:
+def test_device_recipes_of_8k_alone(name: str, micro_batch: int, grad_accum: int, recomputed: bool | int,
+                                    vision: bool | int, profiled: int) -> None:
     """The MFU recipes of `devrun/mfu_8k.sh`: 1,048,576 tokens a step. The H200's of 16 × 8K with 2 layers recomputed;
     the H100's of 8 × 8K with 6 layers and 9 of the vision tower's 12 blocks; the same with nothing recomputed for
     the H200. The last two profile their second step (a cold call's first leaves too little time for a later one)."""
