@@ -1,14 +1,14 @@
 #!/bin/bash
 # Issue 9's device call (devrun/README.md, "Next trainer calls"): first the GPU tests given in TESTS within
 # TEST_SECONDS (verbose, so a run cut by its limit still names each test it finished; a cut stage returns its steps),
-# then the AttnRes mixture's bench (BENCH=0 skips it), also for each untracked variant kernels/attn_res/mix_*.py put
-# in mix.py's place in turn (an A/B: the tree's kernel first), then the 8k stage through DeepSpeed with its config's
-# profiled step (STAGE=0 skips it). Run after the wheel-install prefix with a call limit of 600 s, carry [".whl",
-# ".devdata"] (and ".cache.txz" when it exists, see below). The run folder stays in /tmp (a call returns at most 8
-# files); its metrics, profile summary and kernel CSV are copied to $OUT as they appear, so a call cut off by its
-# limit still returns the steps it finished. STAGE_CONFIG (one or more) and STAGE_SECONDS (default 390, each) pick the
-# stage runs; the default config is devrun/gpu_small_8k_ac2.yaml (129.6 GiB peak on the H200), or
-# devrun/gpu_small_8k_h100.yaml (half the micro-batch) on a GPU of under 100 GB.
+# then the AttnRes mixture's bench (BENCH=0 skips it; BENCH_ARGS adds to its arguments), also for each untracked
+# variant kernels/attn_res/mix_*.py put in mix.py's place in turn (an A/B: the tree's kernel first), then the 8k stage
+# through DeepSpeed with its config's profiled step (STAGE=0 skips it). Run after the wheel-install prefix with a call
+# limit of 600 s, carry [".whl", ".devdata"] (and ".cache.txz" when it exists, see below). The run folder stays in
+# /tmp (a call returns at most 8 files); its metrics, profile summary and kernel CSV are copied to $OUT as they
+# appear, so a call cut off by its limit still returns the steps it finished. STAGE_CONFIG (one or more) and
+# STAGE_SECONDS (default 390, each) pick the stage runs; the default config is devrun/gpu_small_8k_ac2.yaml (129.6 GiB
+# peak on the H200), or devrun/gpu_small_8k_h100.yaml (half the micro-batch) on a GPU of under 100 GB.
 set -u
 export PYTHONUNBUFFERED=1
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
@@ -30,7 +30,7 @@ if [ -n "${TESTS:-}" ]; then
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   bench() {  # $1: the name its output is kept under
-    timeout -k 5 "${BENCH_SECONDS:-100}" python3 -m kernels.attn_res.bench --impls longweave \
+    timeout -k 5 "${BENCH_SECONDS:-100}" python3 -m kernels.attn_res.bench --impls longweave ${BENCH_ARGS:-} \
       > "$OUT/attn_res_bench_$1.txt" 2>&1
     echo "== $1"; grep -v Warn "$OUT/attn_res_bench_$1.txt" | grep -i "longweave\|error"
   }

@@ -7,9 +7,12 @@ Here the forward reads each source once (online softmax over the sources of a ro
 registers) and writes the sublayer's input and the logits ``s_i = r_i x_i·w`` float32 ``[T, n]``. The backward
 rebuilds the weights from the logits (a softmax over n per row) and each ``x_i·w`` as ``s_i / r_i`` for the inv_rms
 gradients: N fewer cross-warp reductions per row tile than recomputing the dots (2026-12-05; the weights were saved
-before, and the backward took 2N+3 reductions). It reads the sources twice (to rebuild the mixture for the norm's
-gradient, then for the weights' gradients) and writes every source's gradient once: the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before
-``ds`` does, so no third read is needed.
+before, and the backward took 2N+3 reductions). It reads the sources once and writes every source's gradient once:
+the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before ``ds``
+does, so no second read is needed. The norm's gradient comes from its output y and 1/rms (saved; y is the sublayer's
+input, kept by its first projection anyway), ``x̂ = y / g``, as Apex's memory-efficient norms do: rebuilding the
+mixture for it read every source once more (until 2026-12-06). A channel whose norm weight is exactly 0 has no x̂
+there (taken as 0), so its weight's gradient is 0 and its rows lose that channel's term of the norm's correction.
 
 A finished block is a source of every later sublayer. Left to autograd, each of those mixtures' backward writes a
 fresh ``[T, d]`` gradient for it and autograd adds it into the block's running sum (read two, write one). A source
@@ -82,9 +85,10 @@ def softmax_weight(logits, o_t, m_t, i, b_max, b_z, N: tl.constexpr):
 
 @autotune(FWD_SPACE, key=TUNING_KEY)
 @triton.jit
-def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
-                        BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
-    """y = mixture (RMSNorm'ed with g if NORM) of BT rows; logits: their ``r_i x_i·w`` over the N sources."""
+def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, rstd, T, eps, N: tl.constexpr, NP: tl.constexpr,
+                        D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
+    """y = mixture (RMSNorm'ed with g if NORM, its 1/rms then in ``rstd``) of BT rows; logits: their ``r_i x_i·w``
+    over the N sources."""
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)
     m_t, m_d = o_t < T, o_d < D
@@ -105,6 +109,7 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
     b_mix = b_acc / b_sum[:, None]
     if NORM:
         b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
+        tl.store(rstd + o_t, b_rinv, mask=m_t)
         b_mix = b_mix * b_rinv[:, None] * tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
     tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
 
@@ -112,11 +117,12 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
 @autotune(BWD_SPACE, key=TUNING_KEY, pre_hook=_snapshot_sums.before,
           post_hook=_snapshot_sums.after)
 @triton.jit(do_not_specialize=["acc"])
-def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
+def attn_res_bwd_kernel(srcs, rms, w, g, logits, y, rstd, dots, dy, dsrcs, drms, dw, dg, T, acc, N: tl.constexpr,
                         NP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
                         ROWS: tl.constexpr, BT: tl.constexpr):
     """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
-    pseudo-query's gradient (dw) and of the norm weight's (dg). Source i's gradient is added into ``dsrcs[i]`` when
+    pseudo-query's gradient (dw) and of the norm weight's (dg); with NORM, from the forward's output y and its
+    1/rms ``rstd`` (without, y and rstd are not read). Source i's gradient is added into ``dsrcs[i]`` when
     bit i of ``acc`` is set, written over it otherwise. ``acc`` is a runtime bit mask, not a constant: as a constant
     a source count compiled this unrolled kernel once per mask, which in block AttnRes is twice (with and without
     the open block among the sources: 17 compiles for ``small``'s mixtures instead of 9). ``dots`` ``[T, N]``:
@@ -129,6 +135,7 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, 
     m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
     b_g = tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_ginv = tl.where(b_g != 0., 1. / tl.where(b_g != 0., b_g, 1.), 0.)
     b_dw = tl.zeros([BD], dtype=tl.float32)
     b_dg = tl.zeros([BD], dtype=tl.float32)
     for r in range(ROWS // BT):
@@ -143,16 +150,12 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, 
         for i in tl.static_range(N):
             b_z += tl.exp(tl.load(logits + o_t * N + i, mask=m_t, other=0.) - b_max)
         b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-        if NORM:  # the mixture again, for the norm's gradient
-            b_mix = tl.zeros([BT, BD], dtype=tl.float32)
-            for i in tl.static_range(N):
-                b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-                b_mix += softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)[:, None] * b_x
-            b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
-            b_dg += tl.sum(b_dm * b_mix * b_rinv[:, None], 0)
-            b_gdy = b_dm * b_g[None, :]
-            b_c = b_rinv * b_rinv * b_rinv / D * tl.sum(b_gdy * b_mix, 1)
-            b_dm = b_rinv[:, None] * b_gdy - b_mix * b_c[:, None]
+        if NORM:  # the norm's gradient from its output y = g·x̂ and 1/rms r: dm = r (g·dy − x̂ mean(dy·y))
+            b_y = tl.load(y + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+            b_xhat = b_y * b_ginv[None, :]
+            b_dg += tl.sum(b_dm * b_xhat, 0)
+            b_c = tl.sum(b_dm * b_y, 1) / D
+            b_dm = tl.load(rstd + o_t, mask=m_t, other=0.)[:, None] * (b_dm * b_g[None, :] - b_xhat * b_c[:, None])
         b_c = tl.zeros([BT], dtype=tl.float32)       # Σ_i a_i da_i
         b_pw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i da_i x_i
         b_qw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i x_i
@@ -216,7 +219,9 @@ def sinked(x: torch.Tensor, sink: GradSink) -> torch.Tensor:
 
 
 class AttnResMix(torch.autograd.Function):
-    """Saves the sources and inv_rms (alive anyway) and the logits float32 ``[T, n]``; nothing of size ``[T, d]``."""
+    """Saves the sources and inv_rms (alive anyway), the logits float32 ``[T, n]`` and, with the norm, its output y
+    and 1/rms ``[T]``: y is the sublayer's input, which its first projection saves too, so nothing of size ``[T, d]``
+    is kept that would not be kept anyway."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, weight: torch.Tensor | None, eps: float,  # noqa: ANN001
@@ -227,16 +232,18 @@ class AttnResMix(torch.autograd.Function):
         y = torch.empty_like(sources[0])
         logits = torch.empty(T, n, dtype=torch.float32, device=y.device)
         norm = weight is not None
+        rstd = torch.empty(T if norm else 0, dtype=torch.float32, device=y.device)
         meta = dict(N=n, NP=triton.next_power_of_2(n), D=D, BD=triton.next_power_of_2(D), NORM=norm)
         attn_res_fwd_kernel[lambda m: (triton.cdiv(T, m["BT"]),)](
-            sources, rms, query, weight if norm else query, y, logits, T, eps, **meta)
-        ctx.save_for_backward(query, weight, logits, *tensors)
-        ctx.meta, ctx.eps, ctx.sinks = meta, eps, sinks
+            sources, rms, query, weight if norm else query, y, logits, rstd, T, eps, **meta)
+        # y only with the norm, whose backward needs it; the sublayer's first projection saves it anyway.
+        ctx.save_for_backward(query, weight, logits, y if norm else None, rstd, *tensors)
+        ctx.meta, ctx.sinks = meta, sinks
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        query, weight, logits, *tensors = ctx.saved_tensors
+        query, weight, logits, y, rstd, *tensors = ctx.saved_tensors
         n = ctx.meta["N"]
         sources, rms = tuple(tensors[:n]), tuple(tensors[n:])
         T, D = sources[0].shape
@@ -252,8 +259,9 @@ class AttnResMix(torch.autograd.Function):
         dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
         dg = torch.empty_like(dw) if weight is not None else dw
         attn_res_bwd_kernel[(programs,)](
-            sources, rms, query, weight if weight is not None else query, logits, torch.empty_like(logits),
-            dy.contiguous(), tuple(dsrcs), drms, dw, dg, T, ctx.eps, accumulate, ROWS=BWD_ROWS, **ctx.meta)
+            sources, rms, query, weight if weight is not None else query, logits, dy if y is None else y, rstd,
+            torch.empty_like(logits), dy.contiguous(), tuple(dsrcs), drms, dw, dg, T, accumulate, ROWS=BWD_ROWS,
+            **ctx.meta)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
         dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
         return (dw.sum(0).to(query.dtype), dweight, None, None, *dsources, *drms)
