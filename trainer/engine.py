@@ -73,7 +73,16 @@ def deepspeed_config(*, micro_batch: int, grad_accum: int, bf16: bool, zero_stag
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
-        "bf16": {"enabled": bf16},
+        # Gradients accumulate over the micro-batches in float32, as Megatron's main_grad and torchtitan's float32
+        # reduction do. DeepSpeed's default with bf16 is to accumulate in the parameters' own bf16 .grad (16
+        # micro-batches of the 8k stage: each add rounds the running sum to 8 bits of mantissa). Each parameter's
+        # bf16 gradient is added into its float32 accumulator as soon as autograd has it, then freed, so no bf16
+        # gradient stays allocated through the next micro-batch's forward.
+        "bf16": {"enabled": bf16, "immediate_grad_update": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        # And are reduced across ranks in float32: DeepSpeed's default casts them to the model's bf16 to all-reduce
+        # and back, which rounds the whole sum to bf16 at the last micro-batch, even on one GPU.
+        "communication_data_type": "fp32",
         "zero_optimization": {"stage": zero_stage},
         "gradient_clipping": grad_clip,
         "steps_per_print": 2**31 - 1,
