@@ -45,9 +45,11 @@ BWD_ROWS = 64
 # tuned too; its tuning runs restore the sinked gradients it adds into (``_snapshot_sums``). Since it reads each
 # source's weight and dot from memory rather than out of a [BT, NP] tile (2026-12-05), ptxas gives it 171 registers
 # at BT 1 with 8 warps and no spills, still one block per SM; capped at 128 (two blocks, 16 warps to hide the
-# latency of its reductions) it spills 88 B per thread. At 16 warps it spilled 168 B, at BT 4 184 B.
+# latency of its reductions) it spilled 88 B per thread. At 16 warps it spilled 168 B, at BT 4 184 B. With the norm's
+# gradient from the saved output (2026-12-06) ptxas gives it 241 registers at BT 1 with 8 warps (no spills) and the
+# 128 cap spills 304 B, so that config is gone.
 FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4)]
-BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 8, 128), ({"BT": 1}, 4)]
+BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 4)]
 # Tuned per power-of-two class of the source count (NP), not per count: ``small``'s 41 mixtures take 1 to 9 sources,
 # and each count tuned afresh compiled and timed every config of both kernels for it: 10 keys, 90 compiles (the 8k
 # stage's first step took 279 s on 2026-12-04, 84 s more than with the compiled PyTorch mixture). Six classes; the
