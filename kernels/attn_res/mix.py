@@ -7,12 +7,14 @@ Here the forward reads each source once (online softmax over the sources of a ro
 registers) and writes the sublayer's input and the logits ``s_i = r_i x_i·w`` float32 ``[T, n]``. The backward
 rebuilds the weights from the logits (a softmax over n per row) and each ``x_i·w`` as ``s_i / r_i`` for the inv_rms
 gradients: N fewer cross-warp reductions per row tile than recomputing the dots (2026-12-05; the weights were saved
-before, and the backward took 2N+3 reductions). It reads the sources once and writes every source's gradient once:
-the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before ``ds``
-does, so no second read is needed. The norm's gradient comes from its output y and 1/rms (saved; y is the sublayer's
-input, kept by its first projection anyway), ``x̂ = y / g``, as Apex's memory-efficient norms do: rebuilding the
-mixture for it read every source once more (until 2026-12-06). A channel whose norm weight is exactly 0 has no x̂
-there (taken as 0), so its weight's gradient is 0 and its rows lose that channel's term of the norm's correction.
+before, and the backward took 2N+3 reductions). It reads the sources twice (to rebuild the mixture for the norm's
+gradient, then for the weights' gradients) and writes every source's gradient once: the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before
+``ds`` does, so no third read is needed. Taking the norm's gradient from its saved output instead (``x̂ = y / g``
+and a saved 1/rms, as Apex's memory-efficient norms do: one read of y for N of the sources) was slower on the H100
+(2026-12-06, 65,536 × 1,024, 5 sources: forward + backward 1.865 against 1.418 ms with the norm; the 8k stage 11.73–
+12.02 against 10.72–10.87 s a step). ptxas gave it 241 registers against 167, its 128-register config spilled 304 B
+and was dropped, and without the norm, where only the arguments differed, it was as slow (1.435 against 1.100 ms):
+the two-blocks-per-SM config is likely what the tuning picks.
 
 A finished block is a source of every later sublayer. Left to autograd, each of those mixtures' backward writes a
 fresh ``[T, d]`` gradient for it and autograd adds it into the block's running sum (read two, write one). A source
@@ -45,11 +47,9 @@ BWD_ROWS = 64
 # tuned too; its tuning runs restore the sinked gradients it adds into (``_snapshot_sums``). Since it reads each
 # source's weight and dot from memory rather than out of a [BT, NP] tile (2026-12-05), ptxas gives it 171 registers
 # at BT 1 with 8 warps and no spills, still one block per SM; capped at 128 (two blocks, 16 warps to hide the
-# latency of its reductions) it spilled 88 B per thread. At 16 warps it spilled 168 B, at BT 4 184 B. With the norm's
-# gradient from the saved output (2026-12-06) ptxas gives it 241 registers at BT 1 with 8 warps (no spills) and the
-# 128 cap spills 304 B, so that config is gone.
+# latency of its reductions) it spills 88 B per thread. At 16 warps it spilled 168 B, at BT 4 184 B.
 FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4)]
-BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 4)]
+BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 8, 128), ({"BT": 1}, 4)]
 # Tuned per power-of-two class of the source count (NP), not per count: ``small``'s 41 mixtures take 1 to 9 sources,
 # and each count tuned afresh compiled and timed every config of both kernels for it: 10 keys, 90 compiles (the 8k
 # stage's first step took 279 s on 2026-12-04, 84 s more than with the compiled PyTorch mixture). Six classes; the
@@ -87,10 +87,9 @@ def softmax_weight(logits, o_t, m_t, i, b_max, b_z, N: tl.constexpr):
 
 @autotune(FWD_SPACE, key=TUNING_KEY)
 @triton.jit
-def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, rstd, T, eps, N: tl.constexpr, NP: tl.constexpr,
-                        D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
-    """y = mixture (RMSNorm'ed with g if NORM, its 1/rms then in ``rstd``) of BT rows; logits: their ``r_i x_i·w``
-    over the N sources."""
+def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
+                        BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
+    """y = mixture (RMSNorm'ed with g if NORM) of BT rows; logits: their ``r_i x_i·w`` over the N sources."""
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)
     m_t, m_d = o_t < T, o_d < D
@@ -111,7 +110,6 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, rstd, T, eps, N: tl.constexp
     b_mix = b_acc / b_sum[:, None]
     if NORM:
         b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
-        tl.store(rstd + o_t, b_rinv, mask=m_t)
         b_mix = b_mix * b_rinv[:, None] * tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
     tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
 
@@ -119,12 +117,11 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, rstd, T, eps, N: tl.constexp
 @autotune(BWD_SPACE, key=TUNING_KEY, pre_hook=_snapshot_sums.before,
           post_hook=_snapshot_sums.after)
 @triton.jit(do_not_specialize=["acc"])
-def attn_res_bwd_kernel(srcs, rms, w, g, logits, y, rstd, dots, dy, dsrcs, drms, dw, dg, T, acc, N: tl.constexpr,
+def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
                         NP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
                         ROWS: tl.constexpr, BT: tl.constexpr):
     """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
-    pseudo-query's gradient (dw) and of the norm weight's (dg); with NORM, from the forward's output y and its
-    1/rms ``rstd`` (without, y and rstd are not read). Source i's gradient is added into ``dsrcs[i]`` when
+    pseudo-query's gradient (dw) and of the norm weight's (dg). Source i's gradient is added into ``dsrcs[i]`` when
     bit i of ``acc`` is set, written over it otherwise. ``acc`` is a runtime bit mask, not a constant: as a constant
     a source count compiled this unrolled kernel once per mask, which in block AttnRes is twice (with and without
     the open block among the sources: 17 compiles for ``small``'s mixtures instead of 9). ``dots`` ``[T, N]``:
@@ -137,7 +134,6 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, y, rstd, dots, dy, dsrcs, drms,
     m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
     b_g = tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)
-    b_ginv = tl.where(b_g != 0., 1. / tl.where(b_g != 0., b_g, 1.), 0.)
     b_dw = tl.zeros([BD], dtype=tl.float32)
     b_dg = tl.zeros([BD], dtype=tl.float32)
     for r in range(ROWS // BT):
@@ -152,12 +148,16 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, y, rstd, dots, dy, dsrcs, drms,
         for i in tl.static_range(N):
             b_z += tl.exp(tl.load(logits + o_t * N + i, mask=m_t, other=0.) - b_max)
         b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-        if NORM:  # the norm's gradient from its output y = g·x̂ and 1/rms r: dm = r (g·dy − x̂ mean(dy·y))
-            b_y = tl.load(y + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-            b_xhat = b_y * b_ginv[None, :]
-            b_dg += tl.sum(b_dm * b_xhat, 0)
-            b_c = tl.sum(b_dm * b_y, 1) / D
-            b_dm = tl.load(rstd + o_t, mask=m_t, other=0.)[:, None] * (b_dm * b_g[None, :] - b_xhat * b_c[:, None])
+        if NORM:  # the mixture again, for the norm's gradient
+            b_mix = tl.zeros([BT, BD], dtype=tl.float32)
+            for i in tl.static_range(N):
+                b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+                b_mix += softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)[:, None] * b_x
+            b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
+            b_dg += tl.sum(b_dm * b_mix * b_rinv[:, None], 0)
+            b_gdy = b_dm * b_g[None, :]
+            b_c = b_rinv * b_rinv * b_rinv / D * tl.sum(b_gdy * b_mix, 1)
+            b_dm = b_rinv[:, None] * b_gdy - b_mix * b_c[:, None]
         b_c = tl.zeros([BT], dtype=tl.float32)       # Σ_i a_i da_i
         b_pw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i da_i x_i
         b_qw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i x_i
@@ -221,9 +221,7 @@ def sinked(x: torch.Tensor, sink: GradSink) -> torch.Tensor:
 
 
 class AttnResMix(torch.autograd.Function):
-    """Saves the sources and inv_rms (alive anyway), the logits float32 ``[T, n]`` and, with the norm, its output y
-    and 1/rms ``[T]``: y is the sublayer's input, which its first projection saves too, so nothing of size ``[T, d]``
-    is kept that would not be kept anyway."""
+    """Saves the sources and inv_rms (alive anyway) and the logits float32 ``[T, n]``; nothing of size ``[T, d]``."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, weight: torch.Tensor | None, eps: float,  # noqa: ANN001
@@ -234,18 +232,16 @@ class AttnResMix(torch.autograd.Function):
         y = torch.empty_like(sources[0])
         logits = torch.empty(T, n, dtype=torch.float32, device=y.device)
         norm = weight is not None
-        rstd = torch.empty(T if norm else 0, dtype=torch.float32, device=y.device)
         meta = dict(N=n, NP=triton.next_power_of_2(n), D=D, BD=triton.next_power_of_2(D), NORM=norm)
         attn_res_fwd_kernel[lambda m: (triton.cdiv(T, m["BT"]),)](
-            sources, rms, query, weight if norm else query, y, logits, rstd, T, eps, **meta)
-        # y only with the norm, whose backward needs it; the sublayer's first projection saves it anyway.
-        ctx.save_for_backward(query, weight, logits, y if norm else None, rstd, *tensors)
-        ctx.meta, ctx.sinks = meta, sinks
+            sources, rms, query, weight if norm else query, y, logits, T, eps, **meta)
+        ctx.save_for_backward(query, weight, logits, *tensors)
+        ctx.meta, ctx.eps, ctx.sinks = meta, eps, sinks
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        query, weight, logits, y, rstd, *tensors = ctx.saved_tensors
+        query, weight, logits, *tensors = ctx.saved_tensors
         n = ctx.meta["N"]
         sources, rms = tuple(tensors[:n]), tuple(tensors[n:])
         T, D = sources[0].shape
@@ -261,9 +257,8 @@ class AttnResMix(torch.autograd.Function):
         dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
         dg = torch.empty_like(dw) if weight is not None else dw
         attn_res_bwd_kernel[(programs,)](
-            sources, rms, query, weight if weight is not None else query, logits, dy if y is None else y, rstd,
-            torch.empty_like(logits), dy.contiguous(), tuple(dsrcs), drms, dw, dg, T, accumulate, ROWS=BWD_ROWS,
-            **ctx.meta)
+            sources, rms, query, weight if weight is not None else query, logits, torch.empty_like(logits),
+            dy.contiguous(), tuple(dsrcs), drms, dw, dg, T, ctx.eps, accumulate, ROWS=BWD_ROWS, **ctx.meta)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
         dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
         return (dw.sum(0).to(query.dtype), dweight, None, None, *dsources, *drms)
