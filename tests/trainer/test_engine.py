@@ -1,5 +1,5 @@
-"""The trainer's engine: its host-thread policy (``trainer.engine.one_host_thread``) and how DeepSpeed sums the
-gradients of a step's micro-batches in bf16."""
+"""The trainer's engine: its host-thread policy (``trainer.engine.one_host_thread``), how DeepSpeed sums the
+gradients of a step's micro-batches in bf16, and that a bf16 engine resumes from its checkpoint."""
 from __future__ import annotations
 
 import json
@@ -71,3 +71,49 @@ def test_bf16_micro_batches_sum_in_float32() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     errors = json.loads(out.stdout.strip().splitlines()[-1])
     assert errors["exact"] < 1e-6 and errors["rounded"] > 1e-4, errors
+
+
+RESUME = """
+import json, tempfile, torch
+from trainer.engine import build_engine, deepspeed_config, init_distributed
+init_distributed()
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    return build_engine(model, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, schedule=lambda step: 1.0,
+                        ds_config=deepspeed_config(micro_batch=2, grad_accum=2, bf16=True, zero_stage=1,
+                                                   grad_clip=1.0))
+
+def train(engine, steps, seed):
+    inputs = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(2 * steps):
+        loss = engine(torch.randn(2, 8, generator=inputs).to(torch.bfloat16)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+first = make()
+train(first, 2, seed=1)
+folder = tempfile.mkdtemp()
+first.save_checkpoint(folder, tag="t")
+resumed = make()
+resumed.load_checkpoint(folder, tag="t", load_optimizer_states=True, load_lr_scheduler_states=True)
+print(json.dumps({"optimizer": type(resumed.optimizer).__name__,
+                  "checkpoint_engine": type(resumed.checkpoint_engine).__name__,
+                  "uninterrupted": train(first, 2, seed=2), "resumed": train(resumed, 2, seed=2)}))
+"""
+
+
+def test_bf16_engine_resumes_from_its_checkpoint() -> None:
+    """A bf16 engine (DeepSpeed's BF16_Optimizer, what a GPU run trains with) saved after two steps and loaded by
+    a fresh one through the pickle-free checkpoint engine continues with the same losses as the run it came from:
+    the float32 master weights, the Adam moments and the schedule all came back."""
+    out = subprocess.run([sys.executable, "-c", RESUME], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["optimizer"] == "BF16_Optimizer" and result["checkpoint_engine"] == "SafeTorchCheckpointEngine"
+    assert result["resumed"] == result["uninterrupted"] and len(set(result["resumed"])) == 4, result
