@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import types
 import warnings
 
 import torch
@@ -45,10 +46,22 @@ DEFAULT_CUDA_BACKEND = "varlen"
 warnings.filterwarnings("ignore", message="Online softmax is disabled on the fly", category=UserWarning)
 
 
+def _flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
+                         scale: float | None) -> torch.Tensor:
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+
+
 @functools.cache
-def _compiled_flex_attention():  # noqa: ANN202 - the compiled callable's type is torch-internal
-    """Compiled once per process: uncompiled FlexAttention materialises the full score matrix."""
-    return torch.compile(flex_attention)
+def _compiled_flex_attention(causal: bool):  # noqa: ANN202 - the compiled callable's type is torch-internal
+    """Compiled once per process and kind of mask: uncompiled FlexAttention materialises the full score matrix.
+
+    Dynamo keeps compiled code, and its record of which sizes have changed, per code object. With one compiled
+    function for both kinds, the vision tower's patch count (new with every micro-batch) turns the code dynamic in
+    the sequence length for the decoder's fixed-length calls too: a guess at why FlexAttention lost inside the 8k
+    stage while faster alone (BENCHMARKS.md, 2026-12-06), not yet measured. So each kind compiles its own copy of
+    ``_flex_attention_call``, a distinct code object."""
+    code = _flex_attention_call.__code__.replace(co_name=f"flex_attention_{'causal' if causal else 'bidirectional'}")
+    return torch.compile(types.FunctionType(code, _flex_attention_call.__globals__))
 
 
 def _check_shape(cu_seqlens: torch.Tensor) -> None:
@@ -219,6 +232,6 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         out = varlen_flash_attention(*rows, mask.cu_seqlens, mask.max_length, causal=mask.causal, scale=scale)
         return out.transpose(0, 1).unsqueeze(0)
     if mask.block_mask is not None:
-        return _compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, scale=scale)
+        return _compiled_flex_attention(mask.causal)(q, k, v, mask.block_mask, scale)
     return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=mask.causal,
                                                      scale=scale) for a, b in mask.bounds], dim=2)

@@ -61,3 +61,26 @@ def test_gpu_backends_match_the_segment_reference(backend: str, causal: bool) ->
     got = run(document_mask(cu, T, causal=causal, backend=backend, device="cuda"), torch.bfloat16)
     errors = [((g - r).norm() / r.norm()).item() for g, r in zip(got, ref)]
     assert max(errors) <= 2e-2, errors
+
+
+
+def test_each_kind_of_mask_compiles_flex_attention_apart() -> None:
+    """FlexAttention compiled on the CPU (Inductor's C++ kernels) agrees with the per-segment path for both kinds of
+    mask, and each kind has its own compiled code (with one code object for both, the vision tower's changing
+    length would make the code dynamic for the decoder too). One length each: Inductor's CPU template for a dynamic
+    length does not compile (torch 2.14)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from vision.attention import _compiled_flex_attention
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = (40, 1, 55)
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    for causal in (False, True):
+        q, k, v = (torch.randn(1, 2, T, 16, generator=gen) for _ in range(3))
+        got = document_attention(q, k, v, document_mask(cu, T, causal=causal, backend="flex"))
+        ref = document_attention(q, k, v, document_mask(cu, T, causal=causal, backend="segments"))
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    codes = [_compiled_flex_attention(causal)._torchdynamo_orig_callable.__code__ for causal in (False, True)]
+    assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [1, 1]
