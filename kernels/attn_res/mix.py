@@ -10,10 +10,10 @@ gradients: N fewer cross-warp reductions per row tile than recomputing the dots 
 before, and the backward took 2N+3 reductions). It reads the sources twice (to rebuild the mixture for the norm's
 gradient, then for the weights' gradients) and writes every source's gradient once: the pseudo-query's gradient
 ``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before ``ds`` does, so no third read is
-needed. Taking the norm's gradient from its saved output instead (``x̂ = y / g``
-and a saved 1/rms, as Apex's memory-efficient norms do: one read of y for N of the sources) was slower on the H100
-(2026-12-06, 65,536 × 1,024, 5 sources: forward + backward 1.865 against 1.418 ms with the norm; the 8k stage 11.73–
-12.02 against 10.72–10.87 s a step). ptxas gave it 241 registers against 167, its 128-register config spilled 304 B
+needed. Taking the norm's gradient from its saved output instead (``x̂ = y / g`` and a saved 1/rms, as Apex's
+memory-efficient norms do: one read of y for N of the sources) was slower on the H100 (2026-12-06, 65,536 × 1,024,
+5 sources: forward + backward 1.865 against 1.418 ms with the norm; the 8k stage 11.73–12.02 against 10.72–10.87 s a
+step). ptxas gave it 241 registers against 167, its 128-register config spilled 304 B
 and was dropped, and without the norm, where only the arguments differed, it was as slow (1.435 against 1.100 ms):
 the two-blocks-per-SM config is likely what the tuning picks.
 

@@ -63,7 +63,6 @@ def test_gpu_backends_match_the_segment_reference(backend: str, causal: bool) ->
     assert max(errors) <= 2e-2, errors
 
 
-
 def test_each_kind_of_mask_compiles_flex_attention_apart() -> None:
     """FlexAttention compiled on the CPU (Inductor's C++ kernels) agrees with the per-segment path for both kinds of
     mask, and each kind has its own compiled code (with one code object for both, the vision tower's changing
