@@ -2,11 +2,10 @@
 decoder's MLA layers.
 
 Both pack many variable-length segments into one sequence to avoid padding. The mask is built once per forward from
-``cu_seqlens`` and shared by every layer. On CUDA there are three kernels for it, picked by ``LONGWEAVE_ATTENTION``
-(``varlen``, ``cudnn`` or ``flex``, or ``CAUSAL/BIDIRECTIONAL`` such as ``cudnn/varlen`` for one per kind of mask;
-unset: ``DEFAULT_CUDA_BACKEND``): PyTorch's variable-length flash attention (``torch.nn.attention.varlen``), which
-walks each segment's own tiles from ``cu_seqlens``; cuDNN's fused attention over the same ragged layout (its Hopper
-kernels, through ``aten._cudnn_attention_forward``, as PyTorch's nested tensors call it); or FlexAttention with a
+``cu_seqlens`` and shared by every layer. On CUDA there are two kernels for it, picked by ``LONGWEAVE_ATTENTION``
+(``varlen`` or ``flex``, or ``flex/varlen`` for one per kind of mask, causal then bidirectional; unset:
+``DEFAULT_CUDA_BACKEND``): PyTorch's variable-length flash attention
+(``torch.nn.attention.varlen``), which walks each segment's own tiles from ``cu_seqlens``, or FlexAttention with a
 ``BlockMask`` in which blocks that cross a segment boundary (or lie above the diagonal when causal) are skipped. Either
 way cost and memory follow the segments, not the whole length squared. Elsewhere attention runs segment by segment
 with ``scaled_dot_product_attention`` on each slice (``is_causal`` inside a segment): exact, and its memory follows
@@ -27,12 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["DocumentMask", "backend_for", "cuda_backend", "cudnn_varlen_attention", "document_block_mask",
-           "document_ids", "document_mask", "document_attention", "varlen_flash_attention"]
+__all__ = ["DocumentMask", "backend_for", "cuda_backend", "document_block_mask", "document_ids", "document_mask",
+           "document_attention", "varlen_flash_attention"]
 
 TILE = 128  # FlexAttention's default block size, both ways
-BACKENDS = ("varlen", "cudnn", "flex")
-RAGGED = ("varlen", "cudnn")  # the backends that take ``cu_seqlens`` rather than a block mask
+BACKENDS = ("varlen", "flex")
 # LONGWEAVE_ATTENTION's values: one backend for both kinds of mask, or ``CAUSAL/BIDIRECTIONAL`` (the decoder's, then
 # the vision tower's), since each kernel won one kind in isolation and lost the pair inside the model.
 SETTINGS = BACKENDS + tuple(f"{a}/{b}" for a in BACKENDS for b in BACKENDS if a != b)
@@ -128,38 +126,6 @@ def varlen_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale, **mask)
 
 
-class _CudnnVarlenAttention(torch.autograd.Function):
-    """cuDNN's fused attention over segments packed ``[T, H, D]`` (``cu_seqlens`` for queries and keys alike), both
-    ways; saves q, k, v, the output and the log-sum-exp ``[H, T]`` float32, as the flash path does."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,  # noqa: ANN001
-                max_length: int, causal: bool, scale: float | None) -> torch.Tensor:
-        out, lse, *_, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu_seqlens, cu_seqlens, max_length, max_length, True, 0.0, causal, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
-        ctx.max_length, ctx.causal, ctx.scale = max_length, causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        n = ctx.max_length
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            dout.contiguous(), q, k, v, out, lse, seed, offset, None, cu, cu, n, n, 0.0, ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None
-
-
-def cudnn_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           max_length: int, *, causal: bool, scale: float | None = None) -> torch.Tensor:
-    """``varlen_flash_attention``'s result from cuDNN's kernels, which PyTorch's own varlen entry uses only for
-    bidirectional masks (its causal mask is a window, which cuDNN lacks) and only past 128 tokens a segment: below
-    that the flash path runs here too, as there."""
-    if max_length <= 128:
-        return varlen_flash_attention(q, k, v, cu_seqlens, max_length, causal=causal, scale=scale)
-    return _CudnnVarlenAttention.apply(q, k, v, cu_seqlens, max_length, causal, scale)
-
-
 @functools.cache
 def _varlen_parameters() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
@@ -185,8 +151,8 @@ def backend_for(causal: bool) -> str:
 @dataclasses.dataclass(frozen=True, slots=True)
 class DocumentMask:
     """Which keys each query may see: same segment (and not later, when ``causal``). On CUDA either ``block_mask``
-    (FlexAttention) or ``cu_seqlens`` (int32 on the device) and ``max_length`` (the ragged kernels: ``backend``
-    names which) is set; elsewhere ``bounds`` lists the ``(start, end)`` of every segment for the per-segment path."""
+    (FlexAttention) or ``cu_seqlens`` (int32 on the device) and ``max_length`` (varlen flash attention) is set;
+    elsewhere ``bounds`` lists the ``(start, end)`` of every segment for the per-segment path."""
 
     doc_ids: torch.Tensor
     causal: bool
@@ -194,7 +160,6 @@ class DocumentMask:
     bounds: tuple[tuple[int, int], ...]
     cu_seqlens: torch.Tensor | None = None
     max_length: int = 0
-    backend: str = "segments"
 
     @property
     def length(self) -> int:
@@ -207,13 +172,13 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, backend
     (``cu_seqlens[-1] == total``).
 
     ``cu_seqlens`` is checked (and the CPU path's bounds and the longest segment read) on the host: pass it on the
-    CPU and nothing waits for the GPU; a CUDA one costs one sync. ``backend``: one of ``BACKENDS`` or
+    CPU and nothing waits for the GPU; a CUDA one costs one sync. ``backend``: ``"varlen"``, ``"flex"`` or
     ``"segments"`` (the per-segment path); default ``backend_for(causal)`` on CUDA, ``"segments"`` elsewhere. The flex
     block mask is read off the segment bounds (``document_block_mask``), so 1M-token masks stay cheap.
     """
     device = torch.device(cu_seqlens.device if device is None else device)
     if backend is not None and backend not in (*BACKENDS, "segments"):
-        raise ValueError(f"document_mask: backend must be one of {(*BACKENDS, 'segments')}, got {backend!r}")
+        raise ValueError(f"document_mask: backend must be varlen, flex or segments, got {backend!r}")
     _check_shape(cu_seqlens)
     cuts = cu_seqlens.tolist()
     if cuts[-1] != total or cuts[0] != 0:
@@ -222,10 +187,10 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, backend
     doc = document_ids(cu_device, total)
     if backend is None:
         backend = backend_for(causal) if doc.is_cuda else "segments"
-    if backend in RAGGED:
+    if backend == "varlen":
         longest = max(b - a for a, b in zip(cuts, cuts[1:]))
         return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, bounds=(), cu_seqlens=cu_device,
-                            max_length=longest, backend=backend)
+                            max_length=longest)
     if backend == "flex":
         if causal:
             def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - FlexAttention's mask_mod protocol
@@ -234,7 +199,7 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, *, causal: bool, backend
             def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
                 return doc[q_idx] == doc[kv_idx]
         block = document_block_mask(cu_device, doc, causal, mask_mod)
-        return DocumentMask(doc_ids=doc, causal=causal, block_mask=block, bounds=(), backend=backend)
+        return DocumentMask(doc_ids=doc, causal=causal, block_mask=block, bounds=())
     bounds = tuple((a, b) for a, b in zip(cuts, cuts[1:]) if b > a)
     return DocumentMask(doc_ids=doc, causal=causal, block_mask=None, bounds=bounds)
 
@@ -264,8 +229,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         # [T, H, D]: the projections' own layout. squeeze, not t[0]: a select's backward writes its gradient into
         # fresh zeros of the input's size (a fill and a copy of each of q, k and v per layer), a squeeze's is a view.
         rows = [t.squeeze(0).transpose(0, 1) for t in (q, k, v)]
-        kernel = cudnn_varlen_attention if mask.backend == "cudnn" else varlen_flash_attention
-        out = kernel(*rows, mask.cu_seqlens, mask.max_length, causal=mask.causal, scale=scale)
+        out = varlen_flash_attention(*rows, mask.cu_seqlens, mask.max_length, causal=mask.causal, scale=scale)
         return out.transpose(0, 1).unsqueeze(0)
     if mask.block_mask is not None:
         return _compiled_flex_attention(mask.causal)(q, k, v, mask.block_mask, scale)
