@@ -37,7 +37,10 @@ SETTINGS = BACKENDS + tuple(f"{a}/{b}" for a in BACKENDS for b in BACKENDS if a 
 # In the model the varlen kernels win: `small` at 131K tokens stepped in 1,234 ms with them against 1,330 ms with
 # FlexAttention (H200, 2026-12-04, `trainer.model.profile --attention varlen flex`), and the 8k stage's attention
 # took 1.34 s per step against FlexAttention's 2.92 s (sixth session), although FlexAttention is faster in the
-# isolated bench (`vision.attention_bench`: 15.0 against 20.3 ms at 131K tokens, causal).
+# isolated bench (`vision.attention_bench`: 15.0 against 20.3 ms at 131K tokens, causal). cuDNN's fused attention over
+# the same ragged layout (`aten._cudnn_attention_forward` with `cum_seq_q`, as nested tensors call it) was tried and
+# dropped (H100, torch 2.11, cuDNN 9.19, 2026-12-06): 84 ms forward against varlen's 2.2 at 65,536 causal tokens,
+# and an illegal memory access on q, k, v that are column slices of one projection (BENCHMARKS.md).
 DEFAULT_CUDA_BACKEND = "varlen"
 
 
