@@ -63,7 +63,8 @@ if [ "${STAGE:-1}" = 1 ]; then
       python3 -m trainer.train --run $run --config "$config" > "$OUT/train-$n.log" 2>&1
     kill $copier
     cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl" 2>/dev/null; cp $run/profile-step* "$OUT/" 2>/dev/null
-    grep "INFO.*step [0-9]" "$OUT/train-$n.log" | tail -6
+    if grep -q "INFO.*step [0-9]" "$OUT/train-$n.log"; then grep "INFO.*step [0-9]" "$OUT/train-$n.log" | tail -6
+    else echo "no step finished; the log ends:"; grep -v Warn "$OUT/train-$n.log" | tail -4; fi
     grep -i -m5 "error\|out of memory" "$OUT/train-$n.log"
   done
   sed -n '/GPU time per step by kind/,$p' "$OUT"/profile-step*.txt 2>/dev/null
