@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .histogram import add_residual_histogram, histogram_range
 from .permute import expert_counts
 from .stats import LoadStats
 
@@ -48,21 +49,6 @@ def exact_quantile_bias(residuals: torch.Tensor, level: float) -> torch.Tensor:
         ordered = per_expert.topk(n - below, dim=1, largest=True, sorted=True).values
         lo, hi = ordered[:, n - 1 - below], ordered[:, n - 1 - above]
     return lo + (rank - below) * (hi - lo)
-
-
-def histogram_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bin range `[min(b) − 1, max(b) + 1]`: covers every residual, and is the same on every rank."""
-    return bias.min() - 1.0, bias.max() + 1.0
-
-
-def residual_histogram(residuals: torch.Tensor, bias: torch.Tensor, n_bins: int) -> torch.Tensor:
-    """Counts int64 `[E, n_bins]` of residuals `[N, E]` over `histogram_range(bias)`."""
-    lo, hi = histogram_range(bias)
-    width = (hi - lo) / n_bins
-    bins = ((residuals - lo) / width).long().clamp_(0, n_bins - 1)
-    n_experts = residuals.shape[1]
-    flat = bins + torch.arange(n_experts, device=bins.device) * n_bins
-    return expert_counts(flat, n_experts * n_bins).view(n_experts, n_bins)
 
 
 def histogram_quantile_bias(hist: torch.Tensor, bias: torch.Tensor, level: float) -> torch.Tensor:
@@ -146,12 +132,12 @@ class QuantileBalancer(nn.Module):
         self._load = load if self._load is None else self._load + load
         if not self.enabled:
             return
-        residuals = alpha.unsqueeze(1) - scores
         if self.uses_histogram():
-            hist = residual_histogram(residuals, self.bias, self.n_bins)
-            self._hist = hist if self._hist is None else self._hist + hist
+            if self._hist is None:
+                self._hist = torch.zeros(self.n_experts, self.n_bins, dtype=torch.int64, device=scores.device)
+            add_residual_histogram(self._hist, scores, alpha, self.bias)
         else:
-            self._residuals.append(residuals)
+            self._residuals.append(alpha.unsqueeze(1) - scores)
 
     @torch.no_grad()
     def step(self) -> LoadStats | None:

@@ -5,6 +5,9 @@ none). Beside our layer (torch._grouped_mm and Triton backends) in the same run:
 DeepSpeed's `deepspeed.moe.layer.MoE`, bare torch._grouped_mm SwiGLU experts on perfectly balanced
 groups, and a dense matmul of the same FLOPs (the ceiling). TFLOP/s count the active expert FLOPs
 `3 · 6 · d · F · T · k` (forward + two backward GEMMs). Prints a markdown table.
+
+`--histogram` times only the quantile balancer's residual histogram at the 8k stage's shape (65,536 tokens, 128
+experts, 1,000 bins), the Triton kernel beside the PyTorch reference it replaced.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 from triton.testing import do_bench
 
 from .grouped_gemm import grouped_mm_fwd
+from .histogram import add_residual_histogram, residual_histogram
 from .layer import MoELayer, moe_experts
 from .permute import plan_routing
 from .router import _route
@@ -142,6 +146,19 @@ def bench_case(n_experts: int, rows: list[tuple[str, float, float]]) -> None:
     add("DeepSpeed MoE", lambda: fwd_bwd(deepspeed_moe(n_experts), x.view(1, T, D), dout.view(1, T, D)))
 
 
+def histogram_rows(n_tokens: int = 65536, n_experts: int = 128, n_bins: int = 1000) -> list[tuple[str, float, float]]:
+    """The balancer's per-forward histogram: PyTorch (the reference) and the Triton kernel, wall and kernel time."""
+    scores = torch.rand(n_tokens, n_experts, device="cuda")
+    alpha, bias = torch.rand(n_tokens, device="cuda"), torch.randn(n_experts, device="cuda") * 0.3
+    hist = torch.zeros(n_experts, n_bins, dtype=torch.int64, device="cuda")
+    impls = {"PyTorch": lambda: hist.add_(residual_histogram(alpha.unsqueeze(1) - scores, bias, n_bins)),
+             "Triton": lambda: add_residual_histogram(hist, scores, alpha, bias)}
+    shape = f"{n_tokens:,} x {n_experts}, {n_bins} bins"
+    return [row for name, fn in impls.items()
+            for row in ((f"residual histogram {shape}, {name}", time_ms(fn), float("nan")),
+                        (f"residual histogram {shape}, {name}, GPU kernel time", kernel_ms(fn), float("nan")))]
+
+
 def dense_ceiling_ms() -> float:
     """A dense bf16 GEMM with the forward's expert FLOPs ([T·k, d] @ [d, 3F]), times 3."""
     a = torch.randn(T * K, D, device="cuda", dtype=torch.bfloat16)
@@ -152,15 +169,18 @@ def dense_ceiling_ms() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--histogram", action="store_true", help="only the balancer's residual histogram")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.manual_seed(0)
     log.warning("torch %s, triton %s, %s", torch.__version__, triton.__version__, torch.cuda.get_device_name())
-    rows = [("dense bf16 GEMM, same FLOPs (ceiling)", dense_ceiling_ms(), expert_flops())]
-    for n_experts in args.experts:
-        bench_case(n_experts, rows)
+    rows = histogram_rows()
+    if not args.histogram:
+        rows.append(("dense bf16 GEMM, same FLOPs (ceiling)", dense_ceiling_ms(), expert_flops()))
+        for n_experts in args.experts:
+            bench_case(n_experts, rows)
     print("| variant | ms | TFLOP/s (active expert) |\n|---|---:|---:|")
     for name, ms, flops in rows:
         print(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
