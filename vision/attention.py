@@ -60,9 +60,10 @@ def _compiled_flex_attention(causal: bool):  # noqa: ANN202 - the compiled calla
 
     Dynamo keeps compiled code, and its record of which sizes have changed, per code object. With one compiled
     function for both kinds, the vision tower's patch count (new with every micro-batch) turns the code dynamic in
-    the sequence length for the decoder's fixed-length calls too: a guess at why FlexAttention lost inside the 8k
-    stage while faster alone (BENCHMARKS.md, 2026-12-06), not yet measured. So each kind compiles its own copy of
-    ``_flex_attention_call``, a distinct code object."""
+    the sequence length for the decoder's fixed-length calls too. So each kind compiles its own copy of
+    ``_flex_attention_call``, a distinct code object. With one compiled function the decoder on FlexAttention lost
+    inside the 8k stage while faster alone; with one per kind it no longer does (H100, 2026-12-06: 10.70–10.91 s a
+    step against varlen's 10.84–10.94, BENCHMARKS.md)."""
     code = _flex_attention_call.__code__.replace(co_name=f"flex_attention_{'causal' if causal else 'bidirectional'}")
     return torch.compile(types.FunctionType(code, _flex_attention_call.__globals__))
 
