@@ -28,7 +28,9 @@ def histogram_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def residual_histogram(residuals: torch.Tensor, bias: torch.Tensor, n_bins: int) -> torch.Tensor:
     """Counts int64 `[E, n_bins]` of residuals `[N, E]` over `histogram_range(bias)` (the reference)."""
     lo, hi = histogram_range(bias)
-    width = (hi - lo) / n_bins
+    # Divided by a tensor, not the int: PyTorch on CUDA multiplies by the float32 reciprocal of a host scalar
+    # divisor, a width one ulp off the division's (and bins that differ at their edges by the device it ran on).
+    width = (hi - lo) / torch.full_like(hi, n_bins)
     bins = ((residuals - lo) / width).long().clamp_(0, n_bins - 1)
     n_experts = residuals.shape[1]
     flat = bins + torch.arange(n_experts, device=bins.device) * n_bins
