@@ -41,7 +41,10 @@ SETTINGS = BACKENDS + tuple(f"{a}/{b}" for a in BACKENDS for b in BACKENDS if a 
 # the same ragged layout (`aten._cudnn_attention_forward` with `cum_seq_q`, as nested tensors call it) was tried and
 # dropped (H100, torch 2.11, cuDNN 9.19, 2026-12-06): 84 ms forward against varlen's 2.2 at 65,536 causal tokens,
 # and an illegal memory access on q, k, v that are column slices of one projection (BENCHMARKS.md).
-DEFAULT_CUDA_BACKEND = "varlen"
+# Since each kind of mask compiles its own FlexAttention (2026-12-06), the decoder's causal masks run faster on it
+# in the stage too: the 8k step on an H100 10.47-10.89 s against 10.75-10.81 (4 x 8K micro-batches, three steps
+# each in one call) and 10.70-10.91 against 10.84-10.94 (8 x 8K, the session before); the tower stays on varlen.
+DEFAULT_CUDA_BACKEND = "flex/varlen"
 
 
 # Inductor says so each time it splits a long FlexAttention reduction (11 multi-line warnings in a 1M-token step's

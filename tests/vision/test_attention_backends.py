@@ -29,7 +29,7 @@ def test_unknown_backends_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LONGWEAVE_ATTENTION", "flex/varlen")  # the decoder's causal masks, then the vision tower's
     assert backend_for(causal=True) == "flex" and backend_for(causal=False) == "varlen"
     monkeypatch.delenv("LONGWEAVE_ATTENTION")
-    assert cuda_backend() == "varlen"   # the model's faster one on the H200 (DEFAULT_CUDA_BACKEND)
+    assert cuda_backend() == "flex/varlen"   # the stage's faster pair on the H100 (DEFAULT_CUDA_BACKEND)
 
 
 @pytest.mark.gpu
