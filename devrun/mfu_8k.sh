@@ -45,8 +45,10 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 if [ "${STAGE:-1}" = 1 ]; then
   # STAGE_CONFIG may name several configs (an A/B in one call, the caches shared): each runs in turn, within
-  # STAGE_SECONDS, as /tmp/run-N; its metrics come back as metrics-N.jsonl and its log as train-N.log. An entry
-  # VAR=value@config runs that config with VAR set (LONGWEAVE_ATTENTION=flex@devrun/gpu_small_8k_h100.yaml).
+  # STAGE_SECONDS, as /tmp/run-N; its metrics come back as metrics-N.jsonl, its log as train-N.log, its profiled
+  # step S as profile-N-stepS.txt / .csv (so the runs of an A/B keep theirs). An entry VAR=value@config runs that
+  # config with VAR set (LONGWEAVE_ATTENTION=flex@devrun/gpu_small_8k_h100.yaml).
+  keep_profile() { for f in $run/profile-step*; do [ -f "$f" ] && cp "$f" "$OUT/profile-$n-${f##*/profile-}"; done; }
   n=0
   for entry in ${STAGE_CONFIG:-$default_config}; do
     config=${entry##*@}; settings=
@@ -56,16 +58,15 @@ if [ "${STAGE:-1}" = 1 ]; then
     echo "== $n: $entry"
     # The copier's output goes nowhere: a background job holding the call's stdout keeps a `| tee` open to the limit
     # (2026-12-04: 140 s of device time lost that way).
-    (while sleep 5; do cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl"; cp $run/profile-step* "$OUT/"; done) \
-      >/dev/null 2>&1 &
+    (while sleep 5; do cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl"; keep_profile; done) >/dev/null 2>&1 &
     copier=$!
     env $settings PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${STAGE_SECONDS:-390}" \
       python3 -m trainer.train --run $run --config "$config" > "$OUT/train-$n.log" 2>&1
     kill $copier
-    cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl" 2>/dev/null; cp $run/profile-step* "$OUT/" 2>/dev/null
+    cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl" 2>/dev/null; keep_profile 2>/dev/null
     if grep -q "INFO.*step [0-9]" "$OUT/train-$n.log"; then grep "INFO.*step [0-9]" "$OUT/train-$n.log" | tail -6
     else echo "no step finished; the log ends:"; grep -v Warn "$OUT/train-$n.log" | tail -4; fi
     grep -i -m5 "error\|out of memory" "$OUT/train-$n.log"
   done
-  sed -n '/GPU time per step by kind/,$p' "$OUT"/profile-step*.txt 2>/dev/null
+  for f in "$OUT"/profile-*-step*.txt; do [ -f "$f" ] && echo "== $f" && sed -n '/GPU time per step by kind/,$p' "$f"; done
 fi
