@@ -245,7 +245,8 @@ def test_device_recipes_of_8k_alone(name: str, micro_batch: int, grad_accum: int
                                     vision: bool | int, profiled: int) -> None:
     """The MFU recipes of `devrun/mfu_8k.sh`: 1,048,576 tokens a step. The H200's of 16 × 8K with 2 layers recomputed;
     the H100's of 8 × 8K with 6 layers and 9 of the vision tower's 12 blocks; the same with nothing recomputed for
-    the H200, and at 4 × 8K for the H100. The last three profile their second step (a cold call's first leaves too little time for a later one)."""
+    the H200, and at 4 × 8K for the H100. The last three profile their second step (a cold call's first leaves too
+    little time for a later one)."""
     from trainer.config import load_train_config
 
     config = load_train_config(Path(__file__).parents[2] / "devrun" / name)
