@@ -79,8 +79,9 @@ for i in range(16):
     if i < 15:
         engine.step()  # not yet a boundary: accumulates
 summed = engine.optimizer.fp32_groups_gradients_flat[0][:64].float()
-print(json.dumps({name: ((other.float() - summed).norm() / exact.norm()).item()
-                  for name, other in (("exact", exact), ("rounded", rounded))}))
+errors = {name: ((other.float() - summed).norm() / exact.norm()).item()
+          for name, other in (("exact", exact), ("rounded", rounded))}
+print(json.dumps({**errors, "adder": engine.optimizer._update_hp_grad.__qualname__}))
 """
 
 
@@ -88,9 +89,11 @@ def test_bf16_micro_batches_sum_in_float32() -> None:
     """With bf16 on, a step's 16 micro-batch gradients (each bf16, as autograd gives them) are summed in float32 up to
     the optimizer, the boundary's all-reduce included: DeepSpeed's defaults sum in bf16 (and cast the sum to bf16 to
     all-reduce it): 6.1e-3 off here, as the bf16 running sum the test keeps beside. The CPU accelerator runs the same
-    BF16_Optimizer as a GPU."""
+    BF16_Optimizer as a GPU, and the trainer's one-pass add of each gradient into its sum."""
     errors = json.loads(run_alone(ACCUMULATION))
     assert errors["exact"] < 1e-6 and errors["rounded"] > 1e-4, errors
+    # through the trainer's one-pass add, not DeepSpeed's copy-then-add
+    assert errors["adder"] == "_sum_grads_in_one_pass.<locals>.update_hp_grad", errors
 
 
 RESUME = """
