@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .histogram import add_residual_histogram, histogram_range
+from .histogram import add_residual_histogram, histogram_bins
 from .permute import expert_counts
 from .stats import LoadStats
 
@@ -56,9 +56,8 @@ def histogram_quantile_bias(hist: torch.Tensor, bias: torch.Tensor, level: float
 
     Uses the rank `level · (N − 1)` of the N samples, as the exact linear quantile does.
     """
-    lo, hi = histogram_range(bias)
     n_bins = hist.shape[1]
-    width = (hi - lo) / n_bins
+    lo, width = histogram_bins(bias, n_bins)
     cum = torch.cumsum(hist, dim=1)
     rank = level * (cum[:, -1:].double() - 1.0)
     b = torch.searchsorted(cum.double(), rank, right=True).clamp_(max=n_bins - 1)

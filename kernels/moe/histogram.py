@@ -20,17 +20,18 @@ from .permute import expert_counts
 ROWS = 32  # rows per program: 32 x 128 float32 scores, 4,096 atomic adds
 
 
-def histogram_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bin range `[min(b) − 1, max(b) + 1]`: covers every residual, and is the same on every rank."""
-    return bias.min() - 1.0, bias.max() + 1.0
+def histogram_bins(bias: torch.Tensor, n_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, width)`` of the n_bins bins over `[min(b) − 1, max(b) + 1]`: the range covers every residual, and is the
+    same on every rank. The width is divided by a tensor, not the int: PyTorch on CUDA multiplies by the float32
+    reciprocal of a host scalar divisor, a width one ulp off the division's (the kernel's), and bins that differed at
+    their edges by the device they were counted on."""
+    lo, hi = bias.min() - 1.0, bias.max() + 1.0
+    return lo, (hi - lo) / torch.full_like(hi, n_bins)
 
 
 def residual_histogram(residuals: torch.Tensor, bias: torch.Tensor, n_bins: int) -> torch.Tensor:
-    """Counts int64 `[E, n_bins]` of residuals `[N, E]` over `histogram_range(bias)` (the reference)."""
-    lo, hi = histogram_range(bias)
-    # Divided by a tensor, not the int: PyTorch on CUDA multiplies by the float32 reciprocal of a host scalar
-    # divisor, a width one ulp off the division's (and bins that differ at their edges by the device it ran on).
-    width = (hi - lo) / torch.full_like(hi, n_bins)
+    """Counts int64 `[E, n_bins]` of residuals `[N, E]` over `histogram_bins(bias, n_bins)` (the reference)."""
+    lo, width = histogram_bins(bias, n_bins)
     bins = ((residuals - lo) / width).long().clamp_(0, n_bins - 1)
     n_experts = residuals.shape[1]
     flat = bins + torch.arange(n_experts, device=bins.device) * n_bins
