@@ -7,12 +7,13 @@
 # limit of 600 s, carry [".whl", ".devdata"] (and ".cache.txz" when it exists, see below). The run folder stays in
 # /tmp (a call returns at most 8 files); its metrics, profile summary and kernel CSV are copied to $OUT as they
 # appear, so a call cut off by its limit still returns the steps it finished. STAGE_CONFIG (one or more) and
-# STAGE_SECONDS (default 390, each) pick the stage runs; the default config is devrun/gpu_small_8k_ac2.yaml (129.6 GiB
-# peak on the H200), or devrun/gpu_small_8k_h100.yaml (half the micro-batch) on a GPU of under 100 GB.
+# STAGE_SECONDS (default 390, each) pick the stage runs; the default config is devrun/gpu_small_8k_h200.yaml (nothing
+# recomputed, 105.9 GiB peak on the H200), or devrun/gpu_small_8k_h100.yaml (6 layers and 9 vision blocks recomputed)
+# on a GPU of under 100 GB.
 set -u
 export PYTHONUNBUFFERED=1
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-default_config=devrun/gpu_small_8k_ac2.yaml
+default_config=devrun/gpu_small_8k_h200.yaml
 [ "${gpu_mib:-0}" -gt 0 ] && [ "${gpu_mib}" -lt 100000 ] && default_config=devrun/gpu_small_8k_h100.yaml
 echo "GPU memory ${gpu_mib:-unknown} MiB: stage config ${STAGE_CONFIG:-$default_config}"
 # Triton's and Inductor's caches (autotuning results included) from an earlier call, when carried as .cache.txz: the

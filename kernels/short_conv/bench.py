@@ -3,7 +3,7 @@
     python -m kernels.short_conv.bench [--tokens 131072] [--docs 16] [--json out.json]
 
 The KDA layer of ``small``: q, k and v (3 × 1024 channels, width 4) read as a column slice of the joint projection's
-``[T, 5256]`` bf16 buffer, with the 8k stage's documents (16 of 8K in 131,072 tokens). Implementations, forward +
+``[T, 4232]`` bf16 buffer, with the 8k stage's documents (16 of 8K in 131,072 tokens). Implementations, forward +
 backward (gradients of x and the weight):
 
 - ``longweave``: ``kernels.short_conv`` (one launch each way, output ``[3, T, 1024]``);
@@ -24,7 +24,7 @@ import torch
 from kernels.benchmarking import append_json_lines, fwd_bwd_times
 from kernels.short_conv import naive_short_conv_silu, short_conv_silu
 
-CHANNELS, WIDTH, JOINT = 3 * 1024, 4, 5256
+CHANNELS, WIDTH, JOINT = 3 * 1024, 4, 4232
 PEAK_TBPS = 4.25   # measured H200 device-copy ceiling (DESIGN.md)
 
 

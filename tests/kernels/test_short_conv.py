@@ -13,6 +13,7 @@ from interpreted import import_interpreted
 import_interpreted("kernels.short_conv")
 
 from kernels.short_conv import naive_short_conv_silu, short_conv_silu  # noqa: E402
+from kernels.short_conv.conv import row_alignment  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -53,7 +54,7 @@ def forward_backward(fn, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tenso
     pytest.param([5], 32, 4, 1, 0, 0, id="shorter-than-a-block"),
     pytest.param([64], 96, 4, 3, 0, 0, id="one-block-three-groups"),
     pytest.param([30, 1, 2, 70, 97], 64, 4, 2, 40, 0, id="documents-of-1-and-2-tokens-strided"),
-    pytest.param([3, 130], 32, 3, 1, 8, 500, id="width-3-halo-rows"),
+    pytest.param([3, 130], 32, 3, 1, 7, 500, id="width-3-halo-rows-odd-stride"),
     pytest.param([200], 160, 4, 1, 0, 0, id="channels-not-a-block-multiple"),
     pytest.param([700, 1, 399], 32, 4, 1, 16, 0, id="several-backward-programs"),
 ])
@@ -65,6 +66,15 @@ def test_matches_reference(lengths: list[int], C: int, width: int, groups: int, 
     assert y.shape == (groups, sum(lengths), C // groups)
     errors = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
     assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("columns, dtype, alignment", [
+    (4232, torch.bfloat16, 8), (5256, torch.bfloat16, 8), (4100, torch.bfloat16, 4), (39, torch.bfloat16, 1),
+    (104, torch.float32, 4), (39, torch.float32, 1)])
+def test_row_alignment_is_what_divides_the_stride(columns: int, dtype: torch.dtype, alignment: int) -> None:
+    """The kernels may load x's rows in 16-byte vectors only when the row stride is a multiple of that many
+    elements; an odd stride (the case above) gets scalar loads."""
+    assert row_alignment(torch.empty(2, columns, dtype=dtype)[:, :32]) == alignment
 
 
 def test_a_document_never_sees_the_one_before() -> None:
@@ -110,10 +120,11 @@ def test_bad_arguments_are_named(args: dict, match: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_at_the_small_models_shape() -> None:
-    """The KDA layer of ``small``: q, k, v (3 × 1024 channels) from the joint projection's [T, 5256] buffer,
-    32 documents in 65,536 tokens, bf16 against the float32 reference."""
+    """The KDA layer of ``small``: q, k, v (3 × 1024 channels) from the joint projection's [T, 4232] buffer (rows
+    16-byte aligned but not 32: the kernels are told, and load them in vectors), 32 documents in 65,536 tokens, bf16
+    against the float32 reference."""
     lengths = [2048] * 31 + [65536 - 31 * 2048]
-    x, weight, pos = make_case(lengths, 3072, 4, dtype=torch.bfloat16, extra=5256 - 3072)
+    x, weight, pos = make_case(lengths, 3072, 4, dtype=torch.bfloat16, extra=4232 - 3072)
     dy = torch.randn(3, 65536, 1024, device=DEVICE).bfloat16()
     y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x.float(), weight.float(), pos, 3, dy.float())
     y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 3, dy)
