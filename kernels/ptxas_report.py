@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> None:
                if max(entry[0].values()) <= args.head_dim]
     # The short convolution of the KDA layer (width 4), whatever the head dim.
     configs += [(kernel, config(*entry), constants)
-                for kernel, space, constants in [(conv.short_conv_fwd_kernel, conv.FWD_SPACE, dict(W=4)),
+                for kernel, space, constants in [(conv.short_conv_fwd_kernel, conv.FWD_SPACE, dict(W=4, X_ALIGN=8)),
                                                  (conv.short_conv_bwd_da_kernel, conv.DA_SPACE,
-                                                  dict(W=4, WP=4, ROWS=conv.BWD_ROWS)),
+                                                  dict(W=4, WP=4, ROWS=conv.BWD_ROWS, X_ALIGN=8)),
                                                  (conv.short_conv_bwd_dx_kernel, conv.FWD_SPACE, dict(W=4))]
                 for entry in space]
     # The AttnRes mixture of ``small`` (d = 1024) over 9 sources, the most a sublayer mixes, with the norm; the

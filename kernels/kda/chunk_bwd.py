@@ -172,8 +172,11 @@ def chunk_kda_bwd_dqkg_kernel(
     PREC: tl.constexpr,
 ):
     """dq, dk, dg (or dz) and the rest of dbeta for one K block: the state products, then the gated Gram
-    matrices' gradients with the forward's sub-chunk anchors."""
-    i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    matrices' gradients with the forward's sub-chunk anchors. A chunk's K blocks are neighbouring programs (the
+    grid's fastest axis), so the dO, v_new, dv_new, Ainv and Gram-gradient tiles they all read come from L2 after
+    the first (with K blocks slowest, each block re-read them from HBM: about 1.6 of some 4 GB a call at 8 × 8K)."""
+    NK: tl.constexpr = K // BK
+    i_t, i_h, i_k = tl.program_id(0) // NK, tl.program_id(1), tl.program_id(0) % NK
     t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
     te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
     o_t = tl.arange(0, BT)
@@ -294,7 +297,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     chunk_kda_bwd_dA_kernel[(chunks.shape[0], H)](
         v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale, T, H=H, V=V, BT=64, SLOT=slots, PREC=prec,
     )
-    chunk_kda_bwd_dqkg_kernel[lambda meta: (chunks.shape[0], H, K // meta["BK"])](
+    chunk_kda_bwd_dqkg_kernel[lambda meta: (chunks.shape[0] * (K // meta["BK"]), H)](
         q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
         T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
     )
