@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -34,7 +35,7 @@ FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0
                 "dots", "s_ptr", "ds_ptr"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
-SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "stride_x": "i32",
+SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "x_rows": "i32",
                "stride_dx": "i32", "M": "i32", "F_DIM": "i32", "acc": "i32"}
 TUPLE_ARGS = {"srcs": "*bf16", "dsrcs": "*bf16", "rms": "*fp32", "drms": "*fp32"}  # N pointers each
 
@@ -55,15 +56,30 @@ def signature(fn: JITFunction, constants: dict) -> dict[str, str | tuple[str, ..
     return {name: kind(name) for name in fn.arg_names}
 
 
-def report(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, config: triton.Config, stages: int) -> str:
-    """One line: the kernel, its config and what ptxas says of it."""
-    fn = kernel
-    while not isinstance(fn, JITFunction):
-        fn = fn.fn
+def jit_function(kernel: triton.runtime.Autotuner | JITFunction) -> JITFunction:
+    """The JIT function under an autotuner (or several)."""
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def compile_for_hopper(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, config: triton.Config,
+                       stages: int = 3, divisible: tuple[str, ...] = ()) -> Any:
+    """The kernel compiled for sm_90 with the config's meta-parameters; ``divisible``: the arguments a launch would
+    find divisible by 16 (Triton specialises on that: pointers 16-byte aligned, integers multiples of 16)."""
+    fn = jit_function(kernel)
     constants = constants | config.kwargs
     cap = {"maxnreg": config.maxnreg} if getattr(config, "maxnreg", None) else {}
-    compiled = triton.compile(ASTSource(fn, signature(fn, constants), constants), target=HOPPER,
-                              options=dict(num_warps=config.num_warps, num_stages=stages, **cap))
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    return triton.compile(ASTSource(fn, signature(fn, constants), constants, attrs), target=HOPPER,
+                          options=dict(num_warps=config.num_warps, num_stages=stages, **cap))
+
+
+def report(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, config: triton.Config, stages: int) -> str:
+    """One line: the kernel, its config and what ptxas says of it."""
+    fn = jit_function(kernel)
+    cap = {"maxnreg": config.maxnreg} if getattr(config, "maxnreg", None) else {}
+    compiled = compile_for_hopper(kernel, constants, config, stages)
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
         with open(ptx, "w") as f:

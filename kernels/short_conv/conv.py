@@ -62,9 +62,9 @@ DA_SPACE = [({"BT": 16, "BC": 64}, 4), ({"BT": 16, "BC": 128}, 8), ({"BT": 8, "B
 
 @autotune(FWD_SPACE, key=["C", "W"])
 @triton.jit
-def short_conv_fwd_kernel(x, w, pos, y, T, C, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+def short_conv_fwd_kernel(x, w, pos, y, T, C, x_rows, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                           X_ALIGN: tl.constexpr):
-    stride_x = tl.multiple_of(stride_x, X_ALIGN)
+    stride_x = x_rows * X_ALIGN
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_t, m_c = o_t < T, o_c < C
@@ -75,7 +75,7 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, stride_x, W: tl.constexpr, BT: tl.
 
 @autotune(DA_SPACE, key=["C", "W"])
 @triton.jit
-def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, stride_x, W: tl.constexpr, WP: tl.constexpr,
+def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, x_rows, W: tl.constexpr, WP: tl.constexpr,
                              ROWS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, X_ALIGN: tl.constexpr):
     """da = dy · silu'(pre-activation) (the pre-activation recomputed, not stored) for the program's ROWS rows, and
     their weight-gradient partial dw[program, c, i] = Σ_t da[t] x[t − i] over the taps inside t's document.
@@ -83,7 +83,7 @@ def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, stride_x, W: tl.conste
     The taps are one [BT, WP, BC] load that gives both the pre-activation (a sum over taps) and, multiplied by da, the
     weight-gradient terms, summed elementwise over the row blocks and over rows once at the end. Reducing over rows
     per block and tap crosses warps through shared memory every time: 5.9 ms at the 8k stage's shape (H200)."""
-    stride_x = tl.multiple_of(stride_x, X_ALIGN)
+    stride_x = x_rows * X_ALIGN
     i_t = tl.program_id(0)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     o_w = tl.arange(0, WP)
@@ -131,10 +131,12 @@ def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, stride_dx, W: tl.constexpr, B
 
 
 def row_alignment(x: torch.Tensor) -> int:
-    """The largest power of two up to 16 bytes' worth of elements that divides x's row stride: told to the kernels
-    (``tl.multiple_of``) so that they load x's rows in 16-byte vectors. Triton infers it only for strides divisible by
-    16, and the KDA layer's joint projection is 4,232 columns wide (q, k, v, beta, the decay's low rank, the gate):
-    scalar 2-byte loads, the forward at 1.4 TB/s on the H200 (2026-12-06 profile: 190 us a call for 268 MB)."""
+    """The largest power of two up to 16 bytes' worth of elements that divides x's row stride. The kernels take the
+    stride in these units (``x_rows``) and multiply it by the constexpr back, so that Triton knows the rows start
+    16 bytes apart and loads them in vectors: it infers divisibility only for integer arguments divisible by 16, and
+    the KDA layer's joint projection is 4,232 columns wide (q, k, v, beta, the decay's low rank, the gate), which
+    gave 2-byte loads (sm_90 PTX: 68 ``ld.global.b16`` in the forward, 8 ``ld.global.v4.b32`` this way; the forward
+    ran 191 us a call for 268 MB on both the H100 and the H200). ``tl.multiple_of`` on the scalar did not do it."""
     return math.gcd(x.stride(0), 16 // x.element_size())
 
 
@@ -146,11 +148,12 @@ class ShortConvSiLU(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,  # noqa: ANN001
                 groups: int) -> tuple[torch.Tensor, ...]:
         T, CG = x.shape[0], x.shape[1] // groups
+        align = row_alignment(x)
         ys = tuple(torch.empty(T, CG, dtype=x.dtype, device=x.device) for _ in range(groups))
         grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(CG, meta["BC"]))  # noqa: E731
         for g, y in enumerate(ys):
-            short_conv_fwd_kernel[grid](x[:, g * CG:], weight[g * CG:], positions, y, T, CG, x.stride(0),
-                                        W=weight.shape[1], X_ALIGN=row_alignment(x))
+            short_conv_fwd_kernel[grid](x[:, g * CG:], weight[g * CG:], positions, y, T, CG, x.stride(0) // align,
+                                        W=weight.shape[1], X_ALIGN=align)
         ctx.save_for_backward(x, weight, positions)
         return ys
 
@@ -159,6 +162,7 @@ class ShortConvSiLU(torch.autograd.Function):
         x, weight, positions = ctx.saved_tensors
         (T, C), W = x.shape, weight.shape[1]
         CG = C // len(dys)
+        align = row_alignment(x)
         n_programs = triton.cdiv(T, BWD_ROWS)
         dx = torch.empty(T, C, dtype=x.dtype, device=x.device)
         dweight = torch.empty(C, W, dtype=torch.float32, device=x.device)
@@ -169,8 +173,8 @@ class ShortConvSiLU(torch.autograd.Function):
         for g, dy in enumerate(dys):
             cols = slice(g * CG, (g + 1) * CG)
             short_conv_bwd_da_kernel[lambda meta: (n_programs, triton.cdiv(CG, meta["BC"]))](
-                x[:, cols], weight[cols], positions, dy.contiguous(), da, dw, T, CG, x.stride(0), W=W,
-                WP=triton.next_power_of_2(W), ROWS=BWD_ROWS, X_ALIGN=row_alignment(x))
+                x[:, cols], weight[cols], positions, dy.contiguous(), da, dw, T, CG, x.stride(0) // align, W=W,
+                WP=triton.next_power_of_2(W), ROWS=BWD_ROWS, X_ALIGN=align)
             short_conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(CG, meta["BC"]))](
                 da, weight[cols], positions, dx[:, cols], T, CG, C, W=W)
             torch.sum(dw, 0, out=dweight[cols])

@@ -1,5 +1,5 @@
 """The float32 gradient sum's add kernel against PyTorch's in-place add: the same float32 additions, so equal bit for
-bit, on fresh random inputs of sizes around the kernel's block."""
+bit, on fresh random inputs of sizes around the kernel's block and its minimum (below it, the reference's path)."""
 from __future__ import annotations
 
 import pytest
@@ -11,11 +11,12 @@ from interpreted import import_interpreted
 import_interpreted("kernels.accumulate")
 
 from kernels.accumulate import add_into, naive_add_into  # noqa: E402
+from kernels.accumulate.add import KERNEL_MIN  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n", [1, 4095, 4096 * 3 + 7])
+@pytest.mark.parametrize("n", [1, 4095, KERNEL_MIN, KERNEL_MIN + 4096 * 3 + 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_matches_the_in_place_add(n: int, dtype: torch.dtype) -> None:
     fresh_seed()

@@ -77,6 +77,33 @@ def test_row_alignment_is_what_divides_the_stride(columns: int, dtype: torch.dty
     assert row_alignment(torch.empty(2, columns, dtype=dtype)[:, :32]) == alignment
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine times the kernels instead")
+def test_kernels_load_rows_of_a_16_byte_stride_in_vectors() -> None:
+    """Compiled for sm_90 (its own process: the compiler, not the interpreter) as a launch on the joint projection's
+    slice specialises them (pointers and the channel count divisible by 16, the row stride 4,232 not): x's tiles
+    load as 16-byte vectors once the stride's alignment is a constexpr (2-byte loads while it was not known to
+    Triton, before 2026-12-06), one or more for each of the 4 taps."""
+    import os
+    import subprocess
+
+    code = """
+from kernels.ptxas_report import compile_for_hopper, jit_function
+from kernels.short_conv import conv
+from kernels.tuning import config
+for fn, constants in [(conv.short_conv_fwd_kernel, dict(W=4, BT=16, BC=128)),
+                      (conv.short_conv_bwd_da_kernel, dict(W=4, WP=4, ROWS=512, BT=16, BC=64))]:
+    names = jit_function(fn).arg_names
+    divisible = tuple(n for n in ("x", "w", "pos", "y", "dy", "da", "dw", "C") if n in names)
+    print(*(compile_for_hopper(fn, constants | dict(X_ALIGN=a), config({}, 4), divisible=divisible).asm["ptx"]
+            .count("ld.global.v4") for a in (1, 8)))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    counts = [tuple(map(int, line.split())) for line in out.splitlines()]
+    assert len(counts) == 2 and all(aligned >= unknown + 4 for unknown, aligned in counts), out
+
+
 def test_a_document_never_sees_the_one_before() -> None:
     """Rewriting document 1 leaves document 2's outputs, and the gradient reaching document 1 from document 2's
     outputs, exactly zero-coupled: the taps of document 2's first rows read zeros, not document 1."""
