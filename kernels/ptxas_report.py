@@ -31,7 +31,7 @@ from kernels.tuning import config
 swiglu = importlib.import_module("kernels.moe.swiglu")  # the package exports the function under the same name
 
 HOPPER = GPUTarget("cuda", 90, 64)
-FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dkr", "dGr", "dw", "logits",
+FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw", "logits",
                 "dots", "s_ptr", "ds_ptr"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> None:
          shape | dict(PREC="tf32", USE_DHT=False, STORE_DH0=False)),
         (chunk_bwd.chunk_kda_bwd_dA_kernel, chunk_bwd.DA_SPACE,
          dict(H=args.heads, V=args.head_dim, BT=64, SLOT=args.head_dim // 32, PREC="tf32")),
-        (chunk_bwd.chunk_kda_bwd_dq_kernel, chunk_bwd.DQKG_SPACE, shape | gate | dict(BC=16)),
-        (chunk_bwd.chunk_kda_bwd_dk_kernel, chunk_bwd.DQKG_SPACE, shape | gate | dict(BC=16)),
+        (chunk_bwd.chunk_kda_bwd_dqkg_kernel, chunk_bwd.DQKG_SPACE, shape | gate | dict(BC=16)),
     ]
     configs = [(kernel, config(*entry), constants) for kernel, space, constants in kernels for entry in space
                if max(entry[0].values()) <= args.head_dim]

@@ -1,7 +1,5 @@
-"""Backward: the reverse state pass (dh, dv_new), then parallel kernels: one per chunk and head for what reduces
-over V (dv, the Gram gradients dA_qk and dA_kk, kept in float32), and two per K block for dq, dk, dg: the rows'
-pass (dq, dk as a reader, dG's row terms) and the columns' pass (dk as a writer, the rest of dG, dg), which meet in
-two float32 [T, H, K] tensors.
+"""Backward: the reverse state pass (dh, dv_new), then two parallel kernels: one per chunk and head for what
+reduces over V (dv, the Gram gradients dA_qk and dA_kk, kept in float32), one per K block for dq, dk, dg.
 
 Writing X = diag(beta) (V - K exp(G) S), so that v_new = Ainv X, the gradient through the UT inverse is
     dX = Ainv^T dv_new,  dA_kk = -dX v_new^T  (strictly lower),
@@ -117,16 +115,12 @@ def load_v_tiles(do, vn, dvn, p_v, m_t, dt: tl.constexpr):
 
 
 DA_SPACE = [({"BV": 32}, 4), ({"BV": 64}, 4), ({"BV": 64}, 8)]
-# The space of both dq/dk/dg passes. Narrow K blocks keep the [BT, BK] gradient tiles in registers; nothing is
-# repeated across K blocks but the loads of the V-sized tiles. Split in two passes (2026-12-06) every config here
-# compiles without spills on sm_90 but BK = 64 (32 and 64 B a thread), and the capped ones let more blocks share an
-# SM than the single kernel's one block of 8 warps at 255 registers: BK = 16 at 4 warps within 168 registers (3
-# blocks, 12 warps), at 8 warps within 128 (2 blocks, 16 warps; 116 and 128 used); BK = 32 at 8 warps within 128
-# spills 4 and 60 B. (BV = 64 with BK = 32 at 4 warps spilled 184 and 224 B: dropped.)
-DQKG_SPACE = [({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 8), ({"BV": 64, "BK": 64}, 8),
-              ({"BV": 32, "BK": 16}, 4), ({"BV": 32, "BK": 16}, 4, 168), ({"BV": 32, "BK": 16}, 8, 128),
-              ({"BV": 32, "BK": 32}, 8, 128)]
-DQKG_MIN_BK = min(entry[0]["BK"] for entry in DQKG_SPACE)
+# Narrow K blocks keep the [BT, BK] gradient tiles in registers; nothing is repeated across K blocks but the loads
+# of dO, v_new and dv_new. BK = 16 at 4 warps is the one 4-warp config that ptxas (sm_90) fits without spills
+# (218 registers) since dG's Gram terms keep their products apart.
+DQKG_SPACE = [({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 8),
+              ({"BV": 64, "BK": 64}, 8), ({"BV": 32, "BK": 16}, 4)]
+DQKG_MIN_BK = min(meta["BK"] for meta, _ in DQKG_SPACE)
 
 
 @autotune(DA_SPACE, key=["H", "V"],
@@ -168,66 +162,61 @@ def chunk_kda_bwd_dA_kernel(
     tl.store(dbeta + SLOT * T * H + rows * H + i_h, b_dbv, mask=m_t)
 
 
-@triton.jit
-def chunk_rows(q, k, g, beta, A_log, dt_bias, chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-               G_MIN: tl.constexpr, PREC: tl.constexpr):
-    """What both dq/dk/dg passes read of their program's chunk, head and K block, the same way: the block's index, its
-    rows and offsets (the state's too), G (the cumulative log-decay), beta, k, q, E = exp(G - c_a(i)) and the tf32
-    operands q E and k beta E that the Gram terms of dG share between the rows' pass and the columns' pass (formed
-    identically in both, so they cancel exactly). A chunk's K blocks are neighbouring programs (the grid's fastest
-    axis), so the V-sized and Gram-gradient tiles they all read come from L2 after the first."""
-    NK: tl.constexpr = K // BK
-    i_t, i_h, i_k = tl.program_id(0) // NK, tl.program_id(1), tl.program_id(0) % NK
-    t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
-    te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
-    rows = t0 + tl.arange(0, BT)
-    m_t = rows < te
-    o_k = i_k * BK + tl.arange(0, BK)
-    p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
-    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_E = own_anchor_rows(b_G, BT, BC)
-    b_qr = as_dot_reads(b_q * b_E, PREC)
-    b_kbr = as_dot_reads(b_k * b_beta[:, None] * b_E, PREC)
-    p_h = (i_t.to(tl.int64) * H + i_h) * K * V
-    return i_h, i_k, rows, m_t, o_k, p_k, p_h, b_G, b_beta, b_k, b_q, b_E, b_qr, b_kbr
-
-
 @autotune(DQKG_SPACE, key=["H", "K", "V"], restore_value=["dbeta"],
           prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
-def chunk_kda_bwd_dq_kernel(
-    q, k, g, beta, A_log, dt_bias, Ainv, dvn, do, h, dAqk, dAkk, dq, dkr, dGr, dbeta, chunks, scale,
+def chunk_kda_bwd_dqkg_kernel(
+    q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """The rows' pass for one K block: dq, this block's dbeta, dk as a reader (dkr, float32) and dG's terms through
-    q and k as readers (dGr, float32), from the state products dO S^T, dv_new S^T and the Gram gradients' rows."""
-    i_h, i_k, rows, m_t, o_k, p_k, p_h, b_G, b_beta, b_k, b_q, b_E, b_qr, b_kbr = chunk_rows(
-        q, k, g, beta, A_log, dt_bias, chunks, H, K, V, BT, BC, BK, USE_GATE, HAS_BIAS, G_MIN, PREC)
+    """dq, dk, dg (or dz) and the rest of dbeta for one K block: the state products, then the gated Gram
+    matrices' gradients with the forward's sub-chunk anchors. A chunk's K blocks are neighbouring programs (the
+    grid's fastest axis), so the dO, v_new, dv_new, Ainv and Gram-gradient tiles they all read come from L2 after
+    the first (with K blocks slowest, each block re-read them from HBM: about 1.6 of some 4 GB a call at 8 × 8K)."""
+    NK: tl.constexpr = K // BK
+    i_t, i_h, i_k = tl.program_id(0) // NK, tl.program_id(1), tl.program_id(0) % NK
+    t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
+    te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
     o_t = tl.arange(0, BT)
-    dt = dvn.dtype.element_ty
+    rows = t0 + o_t
+    m_t = rows < te
+    o_k = i_k * BK + tl.arange(0, BK)
+    dt = vn.dtype.element_ty
+    p_h = (i_t.to(tl.int64) * H + i_h) * K * V
 
     b_dqs = tl.zeros([BT, BK], dtype=tl.float32)   # dO S^T
     b_Q = tl.zeros([BT, BK], dtype=tl.float32)     # dv_new S^T (dX S^T = Ainv^T dv_new S^T)
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)   # v_new dS'^T
+    b_dgam = tl.zeros([BK], dtype=tl.float32)      # sum_v S * dS'
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_St = tl.trans(tl.load(h + p_h + o_k[:, None] * V + o_v[None, :]).to(dt))
-        b_dqs += tl.dot(tl.load(do + p_v, mask=m_t[:, None], other=0.).to(dt), b_St, input_precision=PREC)
-        b_Q += tl.dot(tl.load(dvn + p_v, mask=m_t[:, None], other=0.).to(dt), b_St, input_precision=PREC)
+        b_do, b_vn, b_dvn = load_v_tiles(do, vn, dvn, p_v, m_t, dt)
+        p_s = p_h + o_k[:, None] * V + o_v[None, :]
+        b_S = tl.load(h + p_s).to(dt)
+        b_dS = tl.load(dh + p_s).to(dt)
+        b_St = tl.trans(b_S)
+        b_dqs += tl.dot(b_do, b_St, input_precision=PREC)
+        b_Q += tl.dot(b_dvn, b_St, input_precision=PREC)
+        b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
+        b_dgam += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), 1)
 
     p_A = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
+    p_At = rows[None, :] * (H * BT) + i_h * BT + o_t[:, None]   # the transposed tile, read as such
     b_P = tl.dot(tl.trans(tl.load(Ainv + p_A, mask=m_t[:, None], other=0.).to(tl.float32)), b_Q,
                  input_precision=PREC)
+    p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_G = tl.cumsum(load_log_decay(g + p_k, m_t, A_log, dt_bias, i_h, o_k, K, USE_GATE, HAS_BIAS, G_MIN), 0)
+    b_gam = sub_chunk_anchor(b_G, BT // BC, BT, BC)   # the whole chunk's log-decay
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
+
     # The Gram products: per sub-chunk anchor a, dA [BT, BT] times k exp(c_a - G) (columns up to a's end, rounded
-    # to tf32 here so both sides see the same operand), kept on a's rows; every row is rescaled around its own
-    # anchor afterwards (E). dq = scale dO S^T exp(G) + E D_qk, and through X = diag(beta) (V - K exp(G) S), X's
-    # gradient -exp(G) P + E D_kk (then dk as a reader).
+    # to tf32 here so both sides below see the same operand), kept on a's rows; every row is rescaled around its own
+    # anchor afterwards (E = exp(G - c_a(i))). dq = scale dO S^T exp(G) + E D_qk, and through
+    # X = diag(beta) (V - K exp(G) S), X's gradient -exp(G) P + E D_kk (then dk as a reader).
     b_Dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_Dk = tl.zeros([BT, BK], dtype=tl.float32)
     for a in range(BT // BC):
@@ -236,51 +225,25 @@ def chunk_kda_bwd_dq_kernel(
         b_Dq += tl.where(m_a, tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC), 0.)
         b_Dk += tl.where(m_a, tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC), 0.)
     b_eG = tl.exp(b_G)
+    b_E = own_anchor_rows(b_G, BT, BC)
+    b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
     b_dqs = b_dqs * scale * b_eG
     tl.store(dq + p_k, (b_dqs + b_E * b_Dq).to(dq.dtype.element_ty), mask=m_t[:, None])
     b_X = b_E * b_Dk - b_eG * b_P
     tl.store(dbeta + i_k * T * H + rows * H + i_h, tl.sum(b_k * b_X, 1), mask=m_t)
-    tl.store(dkr + p_k, b_beta[:, None] * b_X, mask=m_t[:, None])
+    b_dk = b_beta[:, None] * b_X                        # dk_read
     # dG = q dq + k dk_read - k dk_write. The Gram parts cancel between rows and columns (their sum over the chunk is
     # zero), so each is formed from the same tf32 operands on both sides: q exp(G - c_a) and k beta exp(G - c_a) as
     # the column pass reads them, and k exp(c_a - G) as the row pass did. Rounded on one side only, tf32's 2^-11
     # tripled dg's error in bf16 against the recurrence (GPU: 8.6e-3, fla-core 2.8e-3).
+    b_qr = as_dot_reads(b_q * b_E, PREC)
+    b_kbr = as_dot_reads(b_k * b_beta[:, None] * b_E, PREC)
     b_dG = b_q * b_dqs - b_k * b_beta[:, None] * b_eG * b_P + b_qr * b_Dq + b_kbr * b_Dk
-    tl.store(dGr + p_k, b_dG, mask=m_t[:, None])
 
-
-@autotune(DQKG_SPACE, key=["H", "K", "V"],
-          prune_configs_by={"early_config_prune": fit_v})
-@triton.jit
-def chunk_kda_bwd_dk_kernel(
-    q, k, g, beta, A_log, dt_bias, vn, h, dh, dAqk, dAkk, dkr, dGr, dk, dg, chunks,
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """The columns' pass for one K block: dk as a writer (through k exp(gamma - G) in the state update and
-    k_j exp(-G_j) in both Gram matrices) added to dkr, the rest of dG, and dg (or dz) as its reverse cumulative sum
-    plus the chunk-end term."""
-    i_h, i_k, rows, m_t, o_k, p_k, p_h, b_G, b_beta, b_k, b_q, b_E, b_qr, b_kbr = chunk_rows(
-        q, k, g, beta, A_log, dt_bias, chunks, H, K, V, BT, BC, BK, USE_GATE, HAS_BIAS, G_MIN, PREC)
-    o_t = tl.arange(0, BT)
-    dt = vn.dtype.element_ty
-
-    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)   # v_new dS'^T
-    b_dgam = tl.zeros([BK], dtype=tl.float32)      # sum_v S * dS'
-    for i_v in range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        p_s = p_h + o_k[:, None] * V + o_v[None, :]
-        b_dS = tl.load(dh + p_s).to(dt)
-        b_vn = tl.load(vn + rows[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None], other=0.).to(dt)
-        b_dkd += tl.dot(b_vn, tl.trans(b_dS), input_precision=PREC)
-        b_dgam += tl.sum(tl.load(h + p_s).to(dt).to(tl.float32) * b_dS.to(tl.float32), 1)
-
-    b_gam = sub_chunk_anchor(b_G, BT // BC, BT, BC)   # the whole chunk's log-decay
+    # dk as a writer: through k exp(gamma - G) in the state update and k_j exp(-G_j) in both Gram matrices.
     b_dkw = b_dkd * tl.exp(b_gam[None, :] - b_G)
     b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dkw, 0)
-    b_dG = tl.load(dGr + p_k, mask=m_t[:, None], other=0.) - b_k * b_dkw
-    p_At = rows[None, :] * (H * BT) + i_h * BT + o_t[:, None]   # the transposed tile, read as such
+    b_dG -= b_k * b_dkw
     for a in range(BT // BC):
         e_col = anchor_columns(b_G, a, BT, BC)
         m_a = sub_chunk_rows(a, BT, BC)
@@ -289,7 +252,7 @@ def chunk_kda_bwd_dk_kernel(
                       input_precision=PREC)
         b_dkw += e_col * b_w
         b_dG -= as_dot_reads(b_k * e_col, PREC) * b_w
-    b_dk = tl.load(dkr + p_k, mask=m_t[:, None], other=0.) + b_dkw
+    b_dk += b_dkw
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
 
     b_dg = tl.cumsum(b_dG, 0, reverse=True) + b_dgam[None, :]
@@ -334,16 +297,8 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     chunk_kda_bwd_dA_kernel[(chunks.shape[0], H)](
         v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale, T, H=H, V=V, BT=64, SLOT=slots, PREC=prec,
     )
-    # dq/dk/dg in two passes that meet in float32 dk_read and dG (row terms): one pass holding every tile left one
-    # block of 8 warps an SM (255 registers) and ran 4.4 ms a call at 8 x 8K, alike on the H100 and the H200.
-    grid = lambda meta: (chunks.shape[0] * (K // meta["BK"]), H)  # noqa: E731
-    dkr, dGr = torch.empty_like(q, dtype=torch.float32), torch.empty_like(q, dtype=torch.float32)
-    chunk_kda_bwd_dq_kernel[grid](
-        q, k, g, beta, A_log, dt_bias, Ainv, dvn, do, h, dAqk, dAkk, dq, dkr, dGr, dbeta, chunks, scale,
-        T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
-    )
-    chunk_kda_bwd_dk_kernel[grid](
-        q, k, g, beta, A_log, dt_bias, vn, h, dh, dAqk, dAkk, dkr, dGr, dk, dg, chunks,
+    chunk_kda_bwd_dqkg_kernel[lambda meta: (chunks.shape[0] * (K // meta["BK"]), H)](
+        q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
         T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
     )
     return dq, dk, dv, dg, dbeta.sum(0, keepdim=True), dh0

@@ -12,7 +12,7 @@ from trainer.model.profile import (bucket, host_chains, idle_gaps, kernel_rows, 
 
 def test_kernel_names_fall_into_their_kinds() -> None:
     kinds = {
-        "chunk_kda_bwd_dq_kernel": "kda", "l2norm_fwd_kernel": "kda",
+        "chunk_kda_bwd_dqkg_kernel": "kda", "l2norm_fwd_kernel": "kda",
         "triton_tem_fused_flex_attention_0": "attention",
         # torch.nn.attention.varlen's kernels (FlashAttention-2 in ATen; cuDNN's for bidirectional segments)
         "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>": "attention",
