@@ -49,7 +49,11 @@ BWD_ROWS = 64
 # source's weight and dot from memory rather than out of a [BT, NP] tile (2026-12-05), ptxas gives it 171 registers
 # at BT 1 with 8 warps and no spills, still one block per SM; capped at 128 (two blocks, 16 warps to hide the
 # latency of its reductions) it spills 88 B per thread. At 16 warps it spilled 168 B, at BT 4 184 B.
-FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4)]
+# Fewer warps won at every forward key the H200's tuning timed (2026-12-06, the autotuner's own timings at the 8k
+# stage: 4 warps at BT 1 or 2, 0.33-0.36 ms at 8 sources, against 0.36-0.53 at 8 warps), so 2 warps joined (72
+# and 128 registers, no spills). The backward at 2 warps spilled 420 B: not added.
+FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4), ({"BT": 1}, 2),
+             ({"BT": 2}, 2)]
 BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 8, 128), ({"BT": 1}, 4)]
 # Tuned per power-of-two class of the source count (NP), not per count: ``small``'s 41 mixtures take 1 to 9 sources,
 # and each count tuned afresh compiled and timed every config of both kernels for it: 10 keys, 90 compiles (the 8k

@@ -54,10 +54,13 @@ def conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.con
 # with 4 warps used 255 registers and spilled. FWD_SPACE serves the dx kernel too: the same W shifted loads. Since
 # each group is its own launch (2026-12-05), da's 16 × 128 tile with 4 warps and 16 × 256 with 8 spilled 172 B per
 # thread (the code changed little; ptxas's choice did): 16 × 128 now runs on 8 warps, and 8 × 256 replaces 16 × 256.
+# The smallest row blocks won every key the H200's tuning timed (2026-12-06, the autotuner's own timings at the 8k
+# stage: forward 8 × 256 at 4 warps 0.114 ms, dx 0.109, da 8 × 128 at 4 warps 0.256), so 4-row tiles joined (96 to
+# 121 registers, no spills).
 FWD_SPACE = [({"BT": 16, "BC": 128}, 4), ({"BT": 32, "BC": 64}, 4), ({"BT": 16, "BC": 256}, 8),
-             ({"BT": 64, "BC": 64}, 8), ({"BT": 8, "BC": 256}, 4)]
+             ({"BT": 64, "BC": 64}, 8), ({"BT": 8, "BC": 256}, 4), ({"BT": 4, "BC": 512}, 4), ({"BT": 4, "BC": 256}, 2)]
 DA_SPACE = [({"BT": 16, "BC": 64}, 4), ({"BT": 16, "BC": 128}, 8), ({"BT": 8, "BC": 128}, 4),
-            ({"BT": 8, "BC": 256}, 8)]
+            ({"BT": 8, "BC": 256}, 8), ({"BT": 4, "BC": 256}, 4), ({"BT": 4, "BC": 128}, 2)]
 
 
 @autotune(FWD_SPACE, key=["C", "W"])

@@ -74,6 +74,22 @@ def test_matches_reference(T: int, D: int, n: int, norm: bool) -> None:
     assert bool(zeros) == (n == 1), zeros
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs one config per kernel; a GPU tunes all")
+@pytest.mark.parametrize("space", ["FWD_SPACE", "BWD_SPACE"])
+def test_every_tuning_config_matches_reference(space: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU autotuner may pick any entry of a space, so each must be right: five sources with the norm over rows
+    that end part-way through a block of the widest configs, against the float32 reference."""
+    from kernels.tuning import config
+
+    kernel = {"FWD_SPACE": mix.attn_res_fwd_kernel, "BWD_SPACE": mix.attn_res_bwd_kernel}[space]
+    for entry in getattr(mix, space):
+        monkeypatch.setattr(kernel, "configs", [config(*entry)])
+        case = make_case(67, 32, 5, True)
+        dy = torch.randn(67, 32, device=DEVICE)
+        errors, _ = compare(forward_backward(attn_res_mix, case, dy), forward_backward(naive_attn_res_mix, case, dy))
+        assert max(errors.values()) <= 1e-4, (entry, errors)
+
+
 def test_sinked_sources_sum_their_gradients_in_place() -> None:
     """Two mixtures share two sinked sources (one of which another op also reads) and a plain one: the first
     backward writes each sink, the second adds into it, the sinked node hands the sum on once; every leaf's gradient

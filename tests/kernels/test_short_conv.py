@@ -104,6 +104,28 @@ for fn, constants in [(conv.short_conv_fwd_kernel, dict(W=4, BT=16, BC=128)),
     assert len(counts) == 2 and all(aligned >= unknown + 4 for unknown, aligned in counts), out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs one config per kernel; a GPU tunes all")
+@pytest.mark.parametrize("space", ["FWD_SPACE", "DA_SPACE"])
+def test_every_tuning_config_matches_reference(space: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU autotuner may pick any entry of a space, so each must be right: FWD_SPACE serves the forward and the
+    dx kernel, DA_SPACE the da kernel. Documents, groups, a strided x and more rows than one da program takes."""
+    from kernels.short_conv import conv
+    from kernels.tuning import config
+
+    kernels = {"FWD_SPACE": (conv.short_conv_fwd_kernel, conv.short_conv_bwd_dx_kernel),
+               "DA_SPACE": (conv.short_conv_bwd_da_kernel,)}[space]
+    lengths = [300, 1, 250]
+    for entry in getattr(conv, space):
+        for kernel in kernels:
+            monkeypatch.setattr(kernel, "configs", [config(*entry)])
+        x, weight, pos = make_case(lengths, 64, 4, extra=8)
+        dy = torch.randn(2, sum(lengths), 32, device=DEVICE)
+        y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x, weight, pos, 2, dy)
+        y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 2, dy)
+        errors = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
+        assert max(errors.values()) <= 1e-5, (entry, errors)
+
+
 def test_a_document_never_sees_the_one_before() -> None:
     """Rewriting document 1 leaves document 2's outputs, and the gradient reaching document 1 from document 2's
     outputs, exactly zero-coupled: the taps of document 2's first rows read zeros, not document 1."""
