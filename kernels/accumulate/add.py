@@ -35,10 +35,10 @@ def add_into(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``acc += x`` in place (acc float32, x of the same number of elements, any float dtype); returns acc. The
     kernel on CUDA (and under ``TRITON_INTERPRET=1``) when both are contiguous and hold ``KERNEL_MIN`` elements or
     more; the reference otherwise."""
-    if acc.dtype != torch.float32 or acc.numel() != x.numel():
+    n = acc.numel()
+    if acc.dtype != torch.float32 or n != x.numel():
         raise ValueError(f"add_into: acc must be float32 with x's {x.numel()} elements, got {acc.dtype} "
                          f"{tuple(acc.shape)}")
-    n = acc.numel()
     if n < KERNEL_MIN or not (acc.is_contiguous() and x.is_contiguous() and (acc.is_cuda or INTERPRET)):
         return naive_add_into(acc, x)
     add_into_kernel[(triton.cdiv(n, BLOCK),)](acc, x, n, BLOCK=BLOCK, num_warps=8)

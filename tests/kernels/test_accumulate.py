@@ -54,4 +54,3 @@ def test_gpu_at_an_expert_weights_size() -> None:
     acc = torch.randn(128 * 1024 * 448, device="cuda")
     x = torch.randn_like(acc).bfloat16()
     assert torch.equal(add_into(acc.clone(), x), naive_add_into(acc.clone(), x))
-
