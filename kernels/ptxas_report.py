@@ -23,7 +23,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kernels.attn_res import mix
+from kernels.attn_res import block, mix
 from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
 from kernels.short_conv import conv
 from kernels.tuning import config
@@ -32,7 +32,7 @@ swiglu = importlib.import_module("kernels.moe.swiglu")  # the package exports th
 
 HOPPER = GPUTarget("cuda", 90, 64)
 FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw", "logits",
-                "dots", "s_ptr", "ds_ptr"}
+                "dots", "s_ptr", "ds_ptr", "lse", "dlse", "scratch", "dq", "sp", "rp", "drp"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
 SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "x_rows": "i32",
@@ -128,6 +128,16 @@ def main(argv: list[str] | None = None) -> None:
                 for kernel, space, constants in [(mix.attn_res_fwd_kernel, mix.FWD_SPACE, mixture),
                                                  (mix.attn_res_bwd_kernel, mix.BWD_SPACE,
                                                   mixture | dict(ROWS=mix.BWD_ROWS))]
+                for entry in space]
+    # The two-phase AttnRes of ``small``'s last block: 8 finished blocks, 5 sublayers; each sublayer's merge.
+    parts = dict(N=8, S=5, SP=8, D=1024, BD=1024)
+    configs += [(kernel, config(*entry), constants)
+                for kernel, space, constants in [(block.block_mix_fwd_kernel, block.BLOCK_FWD_SPACE, parts),
+                                                 (block.block_mix_bwd_kernel, block.BLOCK_BWD_SPACE, parts),
+                                                 (block.merge_fwd_kernel, block.MERGE_FWD_SPACE,
+                                                  dict(D=1024, BD=1024, HAS_P=True)),
+                                                 (block.merge_bwd_kernel, block.MERGE_BWD_SPACE,
+                                                  dict(D=1024, BD=1024, HAS_P=True, ROWS=block.MERGE_ROWS))]
                 for entry in space]
     # The experts' SwiGLU of ``small`` (d_expert = 224) with the gates as its row scale, at the blocks it launches.
     configs += [(kernel, config(swiglu._blocks(224), swiglu.WARPS), dict(SCALED=True))

@@ -1,7 +1,7 @@
 """Benchmark the AttnRes mixture kernels beside what they replaced, on one GPU.
 
     python -m kernels.attn_res.bench [--tokens 131072] [--width 1024] [--sources 9] [--impls longweave ...]
-        [--json out.json]
+        [--block S] [--json out.json]
 
 A last-block sublayer of ``small`` at the 8k stage: 9 sources of 131,072 × 1,024 in bf16, with and without the
 sublayer's fused RMSNorm. Implementations, forward + backward (gradients of every source, its inv_rms, the
@@ -10,6 +10,10 @@ pseudo-query and the norm weight):
 - ``longweave``: ``kernels.attn_res`` (one launch each way);
 - ``compiled``: ``torch.compile`` of the reference, the model's path before the kernels;
 - ``eager``: the reference as it runs uncompiled.
+
+``--block S`` times one whole block of S sublayers instead (``--sources`` finished blocks, sinked as in the model,
+and the open block from the second sublayer on; each sublayer's normed input): ``per-sublayer``, one fused mixture
+each (``attn_res_mix``), against ``two-phase``, the block's parts at once and a merge each (``kernels.attn_res.block``).
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events). Bytes are the unavoidable bf16 traffic: the sources
 read and the output written forward; the sources and dy read and every source's gradient written backward.
@@ -21,7 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.attn_res import attn_res_mix, naive_attn_res_mix
+from kernels.attn_res import (GradSink, attn_res_block_mix, attn_res_merge, attn_res_mix, naive_attn_res_mix,
+                              sinked)
 from kernels.benchmarking import append_json_lines, fwd_bwd_times
 
 PEAK_TBPS = 4.25   # measured H200 device-copy ceiling (DESIGN.md)
@@ -71,6 +76,32 @@ def worst_errors(sources: list[torch.Tensor], rms: list[torch.Tensor], query: to
     return errors[0], max(zip(names, errors[1:]), key=lambda kv: kv[1])
 
 
+def block_rows(T: int, D: int, n: int, S: int) -> list[dict]:
+    """One block of S sublayers, one mixture each against two phases: forward and forward + backward times."""
+    finished = [(torch.randn(T, D, device="cuda") * (0.5 + i)).bfloat16() for i in range(n)]
+    partial = torch.randn(T, D, device="cuda").bfloat16()
+    queries, weights = torch.randn(S, D, device="cuda"), 1 + 0.1 * torch.randn(S, D, device="cuda")
+    leaves = [t.requires_grad_() for t in finished + [partial, queries, weights]]
+    rms = [torch.rsqrt((t.float() ** 2).mean(-1) + 1e-6) for t in finished + [partial]]
+
+    def block(two_phase: bool) -> list[torch.Tensor]:
+        sinks = [GradSink() for _ in finished]
+        blocks = [sinked(b, sink) for b, sink in zip(finished, sinks)]
+        mixture = attn_res_block_mix(blocks, rms[:n], queries, sinks=sinks) if two_phase else None
+        outs = []
+        for l in range(S):
+            p, rp = (partial, rms[n]) if l else (None, None)
+            if two_phase:
+                outs.append(attn_res_merge(mixture, l, p, rp, queries[l], weights[l], 1e-6))
+            else:
+                outs.append(attn_res_mix(blocks + ([p] if l else []), rms[:n] + ([rp] if l else []), queries[l],
+                                         weights[l], 1e-6, sinks=sinks + ([None] if l else [])))
+        return outs
+
+    return [dict(impl=name, T=T, n=n, S=S) | fwd_bwd_times(lambda two=two: block(two), leaves)
+            for name, two in (("per-sublayer", False), ("two-phase", True))]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=131072)
@@ -79,10 +110,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
                         help="which to time (the compiled reference adds its compile: all three did not finish in 75 s "
                              "on the H200, 2026-12-04)")
+    parser.add_argument("--block", type=int, metavar="S", help="time a block of S sublayers both ways instead")
     parser.add_argument("--json", help="append one JSON line per implementation and case here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     T, D, n = args.tokens, args.width, args.sources
+    if args.block:
+        rows = block_rows(T, D, n, args.block)
+        for r in rows:
+            print(f"{r['impl']:>13} T={T} finished={n} sublayers={r['S']}: fwd {r['fwd_ms']:.3f} ms, f+b "
+                  f"{r['fwdbwd_ms']:.3f} ms ({rows[0]['fwdbwd_ms'] / r['fwdbwd_ms']:.2f}x per-sublayer's)")
+        append_json_lines(args.json, rows)
+        return
     sources = [(torch.randn(T, D, device="cuda") * (0.5 + i)).bfloat16() for i in range(n)]
     rms = [torch.rsqrt((s.float() ** 2).mean(-1) + 1e-6) for s in sources]
     query = torch.randn(D, device="cuda")

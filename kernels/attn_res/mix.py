@@ -119,6 +119,15 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
     tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def rms_norm_bwd(b_dy, b_h, b_g, eps, D: tl.constexpr):
+    """The gradient of rows ``b_h`` [BT, BD] through ``RMSNorm(h) · g`` from ``b_dy``, and of ``g`` summed over them."""
+    b_rinv = tl.rsqrt(tl.sum(b_h * b_h, 1) / D + eps)
+    b_gdy = b_dy * b_g[None, :]
+    b_c = b_rinv * b_rinv * b_rinv / D * tl.sum(b_gdy * b_h, 1)
+    return b_rinv[:, None] * b_gdy - b_h * b_c[:, None], tl.sum(b_dy * b_h * b_rinv[:, None], 0)
+
+
 @autotune(BWD_SPACE, key=TUNING_KEY, pre_hook=_snapshot_sums.before,
           post_hook=_snapshot_sums.after)
 @triton.jit(do_not_specialize=["acc"])
@@ -158,11 +167,8 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, 
             for i in tl.static_range(N):
                 b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
                 b_mix += softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)[:, None] * b_x
-            b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
-            b_dg += tl.sum(b_dm * b_mix * b_rinv[:, None], 0)
-            b_gdy = b_dm * b_g[None, :]
-            b_c = b_rinv * b_rinv * b_rinv / D * tl.sum(b_gdy * b_mix, 1)
-            b_dm = b_rinv[:, None] * b_gdy - b_mix * b_c[:, None]
+            b_dm, dg_rows = rms_norm_bwd(b_dm, b_mix, b_g, eps, D)
+            b_dg += dg_rows
         b_c = tl.zeros([BT], dtype=tl.float32)       # Σ_i a_i da_i
         b_pw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i da_i x_i
         b_qw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i x_i
@@ -219,6 +225,20 @@ class Sinked(torch.autograd.Function):
         return total + grad, None
 
 
+def gradient_targets(sources: Sequence[torch.Tensor], sinks: Sequence[GradSink | None]
+                     ) -> tuple[list[torch.Tensor], int]:
+    """Where a backward kernel writes each source's gradient: a fresh tensor (no sink), the sink's sum (bit i of the
+    returned mask set: added into), or a sum it starts (the first of the sink's consumers to run backward)."""
+    dsrcs, accumulate = [], 0
+    for i, (source, sink) in enumerate(zip(sources, sinks)):
+        if sink is not None and sink.grad is not None:
+            accumulate |= 1 << i
+        elif sink is not None:
+            sink.grad = torch.empty_like(source)
+        dsrcs.append(torch.empty_like(source) if sink is None else sink.grad)
+    return dsrcs, accumulate
+
+
 def sinked(x: torch.Tensor, sink: GradSink) -> torch.Tensor:
     """x, whose gradient from ``attn_res_mix`` calls given ``sink`` for it is summed in ``sink`` (see the module
     docstring); any other consumer's gradient still flows through autograd."""
@@ -251,13 +271,7 @@ class AttnResMix(torch.autograd.Function):
         sources, rms = tuple(tensors[:n]), tuple(tensors[n:])
         T, D = sources[0].shape
         programs = triton.cdiv(T, BWD_ROWS)
-        dsrcs, accumulate = [], 0
-        for i, (source, sink) in enumerate(zip(sources, ctx.sinks)):
-            if sink is not None and sink.grad is not None:
-                accumulate |= 1 << i
-            elif sink is not None:
-                sink.grad = torch.empty_like(source)
-            dsrcs.append(torch.empty_like(source) if sink is None else sink.grad)
+        dsrcs, accumulate = gradient_targets(sources, ctx.sinks)
         drms = tuple(torch.empty_like(r) for r in rms)
         dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
         dg = torch.empty_like(dw) if weight is not None else dw
@@ -276,6 +290,26 @@ def attn_res_mix(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.Tensor
     the Triton kernels on CUDA (and on the CPU under ``TRITON_INTERPRET=1``), from the reference elsewhere.
     ``sinks``: per source, the ``GradSink`` it was ``sinked`` with (its gradient is added there in place), or None
     (its gradient goes to autograd); the reference path gives every gradient to autograd, which is the same sum."""
+    sinks = check_sources(sources, inv_rms, sinks)
+    D = sources[0].shape[1]
+    if query.shape != (D,) or (weight is not None and (weight.shape != (D,) or eps is None)):
+        raise ValueError(f"query and weight must be [{D}] (weight with its eps), got {tuple(query.shape)} and "
+                         f"{None if weight is None else tuple(weight.shape)}, eps {eps}")
+    if not use_kernels(sources[0]):
+        return naive_attn_res_mix(sources, inv_rms, query, weight, eps)
+    tensors = [s.contiguous() for s in sources] + [r.contiguous() for r in inv_rms]
+    return AttnResMix.apply(query, weight, 0.0 if eps is None else float(eps), sinks, *tensors)
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """The kernels run on CUDA (and under the interpreter) up to ``MAX_WIDTH`` columns; the references elsewhere."""
+    return (x.is_cuda or INTERPRET) and x.shape[1] <= MAX_WIDTH
+
+
+def check_sources(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.Tensor],
+                  sinks: Sequence[GradSink | None] | None) -> tuple[GradSink | None, ...]:
+    """Sources ``[T, d]`` of one dtype with their float32 inv_rms ``[T]`` and one sink (or None) each, sinked ones
+    contiguous; a ``ValueError`` naming what is wrong otherwise. Returns the sinks, None for each when not given."""
     n = len(sources)
     if not 1 <= n <= MAX_SOURCES or len(inv_rms) != n:
         raise ValueError(f"need 1..{MAX_SOURCES} sources and one inv_rms each, got {n} and {len(inv_rms)}")
@@ -288,12 +322,6 @@ def attn_res_mix(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.Tensor
     sinks = (None,) * n if sinks is None else tuple(sinks)
     if len(sinks) != n:
         raise ValueError(f"sinks: need one per source (a GradSink or None), got {len(sinks)} for {n} sources")
-    if query.shape != (D,) or (weight is not None and (weight.shape != (D,) or eps is None)):
-        raise ValueError(f"query and weight must be [{D}] (weight with its eps), got {tuple(query.shape)} and "
-                         f"{None if weight is None else tuple(weight.shape)}, eps {eps}")
-    if not (sources[0].is_cuda or INTERPRET) or D > MAX_WIDTH:
-        return naive_attn_res_mix(sources, inv_rms, query, weight, eps)
     if any(sink is not None and not s.is_contiguous() for s, sink in zip(sources, sinks)):
         raise ValueError("sinks: a sinked source must be contiguous (its gradient is summed in place in its layout)")
-    tensors = [s.contiguous() for s in sources] + [r.contiguous() for r in inv_rms]
-    return AttnResMix.apply(query, weight, 0.0 if eps is None else float(eps), sinks, *tensors)
+    return sinks

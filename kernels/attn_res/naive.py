@@ -24,3 +24,30 @@ def naive_attn_res_mix(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.
         mixed = torch.addcmul(mixed, alpha[:, i:i + 1], src)
     mixed = mixed.to(sources[0].dtype)
     return mixed if weight is None else F.rms_norm(mixed, (weight.shape[0],), weight, eps)
+
+
+def naive_attn_res_block_mix(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.Tensor],
+                             queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The finished blocks' part of every mixture of one block at once: for each pseudo-query ``queries[l]`` of
+    ``[S, d]``, ``o_l = Σ_i softmax_i(s_li) src_i`` (sources' dtype) and ``lse_l = logsumexp_i s_li`` float32, with
+    ``s_li = q_l·RMSNorm(src_i)``: ``[S, T, d]`` and ``[S, T]``."""
+    x = torch.stack(list(sources))                                          # [N, T, d]
+    logits = torch.einsum("ntd,sd->stn", x.float(), queries.float()) * torch.stack(list(inv_rms)).T  # [S, T, N]
+    mixed = torch.einsum("stn,ntd->std", torch.softmax(logits, dim=-1), x.float())
+    return mixed.to(sources[0].dtype), torch.logsumexp(logits, dim=-1)
+
+
+def naive_attn_res_merge(mixed: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,
+                         partial_rms: torch.Tensor | None, query: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """One sublayer's normed input from its finished blocks' part (``mixed`` ``[T, d]`` and its ``lse`` ``[T]``, of
+    :func:`naive_attn_res_block_mix`) and the open block ``partial`` (None before the block's first add): the
+    softmax over all sources is the two parts' weighted by ``sigmoid(lse − s_p)``, then ``RMSNorm`` with ``weight``.
+    Equal to ``naive_attn_res_mix(finished + [partial], …)`` up to the rounding of ``mixed``."""
+    if partial is None:
+        total = mixed
+    else:
+        s_p = (partial.float() @ query.float()) * partial_rms
+        sigma = torch.sigmoid(lse - s_p)[:, None]
+        total = (sigma * mixed.float() + (1 - sigma) * partial.float()).to(mixed.dtype)
+    return F.rms_norm(total, (weight.shape[0],), weight, eps)

@@ -169,14 +169,15 @@ def test_gpu_bf16_at_the_small_models_shape(norm: bool) -> None:
 
 @pytest.mark.parametrize("block_size", [2, 3])
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("two_phase", [False, True], ids=["per-sublayer", "two-phase"])
 def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest.MonkeyPatch, recompute: bool,
-                                                             block_size: int) -> None:
+                                                             block_size: int, two_phase: bool) -> None:
     """Six sublayers in blocks of two or three through ``BlockAttnRes``, as the decoder drives it (each sublayer's
-    normed input from the fused kernel, the final output from the plain mixture, pairs of sublayers as layers,
-    recomputed in the backward as the decoder's checkpointed layers are; in blocks of three an open block carries
-    the inv_rms of its add), on the kernels (finished blocks' gradients summed in their sinks) against the same on
-    the reference in float64: the output and the gradients of the embedding, the pseudo-queries, the norms and the
-    sublayers."""
+    normed input from the fused kernel, or from its block's part and a merge in two phases, the final output from
+    the plain mixture, pairs of sublayers as layers, recomputed in the backward as the decoder's checkpointed
+    layers are, even in two phases; in blocks of three an open block carries the inv_rms of its add), on the
+    kernels (finished blocks' gradients summed in their sinks) against one mixture per sublayer on the reference in
+    float64: the output and the gradients of the embedding, the pseudo-queries, the norms and the sublayers."""
     import trainer.model.attn_res as attn_res_module
     from torch.utils.checkpoint import checkpoint
 
@@ -200,6 +201,7 @@ def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest
 
     def run(mix, dtype: torch.dtype) -> dict[str, torch.Tensor]:  # noqa: ANN001
         monkeypatch.setattr(attn_res_module, "attn_res_mix", mix)
+        residuals.two_phase = two_phase and mix is attn_res_mix
         modules.to(dtype).zero_grad(set_to_none=True)  # float32 -> float64 -> float32 is exact
         x = embedding.to(dtype).requires_grad_()
         state = residuals.begin(x)

