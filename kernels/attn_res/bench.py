@@ -98,7 +98,19 @@ def block_rows(T: int, D: int, n: int, S: int) -> list[dict]:
                                          weights[l], 1e-6, sinks=sinks + ([None] if l else [])))
         return outs
 
-    return [dict(impl=name, T=T, n=n, S=S) | fwd_bwd_times(lambda two=two: block(two), leaves)
+    dys = [torch.randn_like(partial) for _ in range(S)]
+    results = []
+    for two in (False, True):  # the two ways' outputs and gradients, for their worst relative difference
+        outs = block(two)
+        torch.autograd.backward(outs, dys)
+        results.append([y.detach().float() for y in outs] + [t.grad.float() for t in leaves])
+        for t in leaves:
+            t.grad = None
+    names = [f"y{l}" for l in range(S)] + [f"dsrc{i}" for i in range(n)] + ["dpartial", "dq", "dg"]
+    gap = max(zip(names, [((a - b).norm() / b.norm()).item() for a, b in zip(results[1], results[0])]),
+              key=lambda kv: kv[1])
+    print(f"two-phase against per-sublayer (both bf16): worst relative difference {gap[1]:.2e} ({gap[0]})")
+    return [dict(impl=name, T=T, n=n, S=S, worst_gap=gap[1]) | fwd_bwd_times(lambda two=two: block(two), leaves)
             for name, two in (("per-sublayer", False), ("two-phase", True))]
 
 
