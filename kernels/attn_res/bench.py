@@ -82,7 +82,7 @@ def block_rows(T: int, D: int, n: int, S: int) -> list[dict]:
     partial = torch.randn(T, D, device="cuda").bfloat16()
     queries, weights = torch.randn(S, D, device="cuda"), 1 + 0.1 * torch.randn(S, D, device="cuda")
     leaves = [t.requires_grad_() for t in finished + [partial, queries, weights]]
-    rms = [torch.rsqrt((t.float() ** 2).mean(-1) + 1e-6) for t in finished + [partial]]
+    rms = [torch.rsqrt((t.detach().float() ** 2).mean(-1) + 1e-6) for t in finished + [partial]]
 
     def block(two_phase: bool) -> list[torch.Tensor]:
         sinks = [GradSink() for _ in finished]
