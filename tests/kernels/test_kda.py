@@ -479,9 +479,10 @@ def test_intermediates_go_through_saved_tensor_hooks() -> None:
 @pytest.mark.skipif(not INTERPRET, reason="a CUDA machine measures instead (and may carry another Triton)")
 def test_ptxas_report_compiles_every_kernel_for_hopper() -> None:
     """The offline sm_90 report (its own process: the compiler, not the interpreter) covers the five KDA kernels
-    the three short-convolution kernels, the two AttnRes ones and the MoE SwiGLU pair; no short-convolution,
-    SwiGLU or AttnRes forward config spills, and the AttnRes backward configs (unrolled over nine sources) spill under 200 B per thread, as its tuning
-    space in ``kernels.attn_res.mix`` was chosen."""
+    the three short-convolution kernels, the two AttnRes ones, the four of AttnRes in two phases and the MoE
+    SwiGLU pair; no short-convolution, SwiGLU, AttnRes forward or merge config spills, and the AttnRes backward
+    configs (unrolled over nine sources, or eight finished blocks for five queries) spill under 200 B per thread,
+    as the tuning spaces in ``kernels.attn_res`` were chosen."""
     import os
     import subprocess
 
@@ -492,11 +493,12 @@ def test_ptxas_report_compiles_every_kernel_for_hopper() -> None:
     assert kernels == {"chunk_kda_fwd_intra_kernel", "chunk_kda_fwd_h_kernel", "chunk_kda_bwd_dh_kernel",
                        "chunk_kda_bwd_dA_kernel", "chunk_kda_bwd_dqkg_kernel", "short_conv_fwd_kernel",
                        "short_conv_bwd_da_kernel", "short_conv_bwd_dx_kernel", "attn_res_fwd_kernel",
-                       "attn_res_bwd_kernel", "swiglu_fwd_kernel", "swiglu_bwd_kernel"}, out
+                       "attn_res_bwd_kernel", "block_mix_fwd_kernel", "block_mix_bwd_kernel", "merge_fwd_kernel",
+                       "merge_bwd_kernel", "swiglu_fwd_kernel", "swiglu_bwd_kernel"}, out
     assert all("registers=" in line and "spilled stores/loads=" in line for line in out.splitlines())
     lines = out.splitlines()
     assert all("spilled stores/loads=0/0 B" in line for line in lines
-               if line.startswith(("short_conv", "attn_res_fwd", "swiglu"))), out
+               if line.startswith(("short_conv", "attn_res_fwd", "swiglu", "block_mix_fwd", "merge"))), out
     spills = [re.search(r"spilled stores/loads=(\d+)/(\d+) B", line) for line in lines
-              if line.startswith("attn_res_bwd")]
+              if line.startswith(("attn_res_bwd", "block_mix_bwd"))]
     assert spills and all(int(m[1]) < 200 and int(m[2]) < 200 for m in spills), out
