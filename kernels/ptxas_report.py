@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   mixture | dict(ROWS=mix.BWD_ROWS))]
                 for entry in space]
     # The two-phase AttnRes of ``small``'s last block: 8 finished blocks, 5 sublayers; each sublayer's merge.
-    parts = dict(N=8, S=5, SP=8, D=1024, BD=1024)
+    parts = dict(N=8, NP=8, S=5, SP=8, D=1024, BD=1024)
     configs += [(kernel, config(*entry), constants)
                 for kernel, space, constants in [(block.block_mix_fwd_kernel, block.BLOCK_FWD_SPACE, parts),
                                                  (block.block_mix_bwd_kernel, block.BLOCK_BWD_SPACE, parts),

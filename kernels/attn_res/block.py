@@ -32,22 +32,23 @@ from kernels.tuning import autotune
 __all__ = ["BlockMixture", "attn_res_block_mix", "attn_res_merge"]
 
 # Rows one program walks through one at a time, its queries ([S, d] float32, padded to SP rows) loaded once.
-# The backward's pseudo-query partials are [programs, SP, d] float32: its rows per program are kept high. Each
-# finished-block count (1 to 8 in ``small``) is tuned and compiled apart, so the spaces are kept small. By ptxas
+# The backward's pseudo-query partials are [programs, SP, d] float32: its rows per program are kept high. By ptxas
 # (sm_90, N = 8, S = 5, d = 1024): forward 173 registers at 8 warps, 128 at 16, no spills; backward 255 at 8
-# warps without spills, 128 at 16 with 16 B.
+# warps without spills, 128 at 16 with 16 B. Tuned per power-of-two class of the finished-block count (NP), as the
+# one-sublayer mixture is: four classes for ``small``'s 1 to 8, each other count compiling only its class's pick.
 BLOCK_FWD_SPACE = [({"ROWS": 16}, 8), ({"ROWS": 16}, 16), ({"ROWS": 64}, 8)]
 BLOCK_BWD_SPACE = [({"ROWS": 64}, 8), ({"ROWS": 64}, 16), ({"ROWS": 128}, 8)]
+BLOCK_TUNING_KEY = ["NP", "SP", "D"]
 MERGE_FWD_SPACE = [({"BT": 2}, 4), ({"BT": 1}, 4), ({"BT": 4}, 8), ({"BT": 1}, 2)]
 MERGE_BWD_SPACE = [({"BT": 1}, 4), ({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 4}, 8)]
 # Rows per merge backward program: its pseudo-query and norm-weight partials are one row [d] float32 each.
 MERGE_ROWS = 64
 
 
-@autotune(BLOCK_FWD_SPACE, key=["N", "SP", "D"])
+@autotune(BLOCK_FWD_SPACE, key=BLOCK_TUNING_KEY)
 @triton.jit
-def block_mix_fwd_kernel(srcs, rms, q, o, lse, T, N: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                         D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr):
+def block_mix_fwd_kernel(srcs, rms, q, o, lse, T, N: tl.constexpr, NP: tl.constexpr, S: tl.constexpr,
+                         SP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr):
     """o[l, t] = Σ_i softmax_i(s_li) x_i[t] and lse[l, t] for the S queries and the program's ROWS rows."""
     o_s, o_d = tl.arange(0, SP), tl.arange(0, BD)
     m_s, m_d = o_s < S, o_d < D
@@ -73,10 +74,11 @@ def block_mix_fwd_kernel(srcs, rms, q, o, lse, T, N: tl.constexpr, S: tl.constex
         tl.store(lse + o_s64 * T + t, b_max + tl.log(b_sum), mask=m_s & m_t)
 
 
-@autotune(BLOCK_BWD_SPACE, key=["N", "SP", "D"], pre_hook=_snapshot_sums.before, post_hook=_snapshot_sums.after)
+@autotune(BLOCK_BWD_SPACE, key=BLOCK_TUNING_KEY, pre_hook=_snapshot_sums.before, post_hook=_snapshot_sums.after)
 @triton.jit(do_not_specialize=["acc"])
 def block_mix_bwd_kernel(srcs, rms, q, lse, do, dlse, scratch, dsrcs, drms, dq, T, acc, N: tl.constexpr,
-                         S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr):
+                         NP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                         ROWS: tl.constexpr):
     """Each finished block's gradient (added into ``dsrcs[i]`` when bit i of ``acc`` is set) and inv_rms gradient for
     the program's rows, and its partial sum of the queries' gradients ``[SP, d]``. With a_li the weights, the logits'
     gradient is ``ds_li = a_li (do_l·x_i − do_l·o_l + dlse_l)`` where ``do_l·o_l = Σ_i a_li do_l·x_i``: a first loop
@@ -220,7 +222,8 @@ class BlockMix(torch.autograd.Function):
         S, (T, D) = queries.shape[0], sources[0].shape
         o = torch.empty(S, T, D, dtype=sources[0].dtype, device=sources[0].device)
         lse = torch.empty(S, T, dtype=torch.float32, device=o.device)
-        meta = dict(N=n, S=S, SP=max(triton.next_power_of_2(S), 2), D=D, BD=triton.next_power_of_2(D))
+        meta = dict(N=n, NP=triton.next_power_of_2(n), S=S, SP=max(triton.next_power_of_2(S), 2), D=D,
+                    BD=triton.next_power_of_2(D))
         block_mix_fwd_kernel[lambda m: (triton.cdiv(T, m["ROWS"]),)](sources, rms, queries, o, lse, T, **meta)
         ctx.save_for_backward(queries, lse, *tensors)
         ctx.meta, ctx.sinks, ctx.grads = meta, sinks, grads
