@@ -48,6 +48,6 @@ def naive_attn_res_merge(mixed: torch.Tensor, lse: torch.Tensor, partial: torch.
         total = mixed
     else:
         s_p = (partial.float() @ query.float()) * partial_rms
-        sigma = torch.sigmoid(lse - s_p)[:, None]
-        total = (sigma * mixed.float() + (1 - sigma) * partial.float()).to(mixed.dtype)
+        gap = (lse - s_p)[:, None]
+        total = (torch.sigmoid(gap) * mixed.float() + torch.sigmoid(-gap) * partial.float()).to(mixed.dtype)
     return F.rms_norm(total, (weight.shape[0],), weight, eps)
