@@ -118,7 +118,6 @@ def block_mix_bwd_kernel(srcs, rms, q, lse, do, dlse, scratch, dsrcs, drms, dq, 
             # inv_rms's gradient: Σ_l ds_li x_i·q_l, with x_i·q_l = s_li / r_i
             tl.store(drms[i] + t, tl.sum(ds_i * s_i, 0) / b_r, mask=m_t)
             b_dq += (ds_i * b_r)[:, None] * b_x[None, :]
-        tl.debug_barrier()  # the next row's first loop overwrites nothing read here, but keep warps in step
     tl.store(dq + (i_p * SP + o_s)[:, None] * D + o_d[None, :], b_dq, mask=m_sd)
 
 
