@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_res.mix import (GradSink, _snapshot_sums, check_sources, gradient_targets, rms_norm_bwd,
-                                  use_kernels)
+from kernels.attn_res.mix import (GradSink, _snapshot_sums, check_sources, gradient_targets, rms_norm,
+                                  rms_norm_bwd, use_kernels)
 from kernels.attn_res.naive import naive_attn_res_block_mix, naive_attn_res_merge
 from kernels.tuning import autotune
 
@@ -139,8 +139,7 @@ def merge_fwd_kernel(o, lse, xp, rp, q, g, y, sp, T, eps, D: tl.constexpr, BD: t
         b_gap = tl.load(lse + o_t, mask=m_t, other=0.) - s_p
         # 1 − σ as σ(−x): as a difference it lost its digits where σ nears 1 (3.6e-4 off in float32, a test's seed)
         b_h = tl.sigmoid(b_gap)[:, None] * b_h + tl.sigmoid(-b_gap)[:, None] * b_xp
-    b_rinv = tl.rsqrt(tl.sum(b_h * b_h, 1) / D + eps)
-    b_y = b_h * b_rinv[:, None] * tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
+    b_y = rms_norm(b_h, tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32), eps, D)
     tl.store(y + o_t[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m)
 
 
@@ -189,17 +188,20 @@ def merge_bwd_kernel(o, lse, xp, rp, q, g, sp, dy, do, dlse, dxp, drp, dq, dg, T
 
 @dataclasses.dataclass(eq=False)
 class BlockGrads:
-    """The gradients of a block's parts ``do`` ``[S, T, d]`` and ``dlse`` ``[S, T]``, written by each sublayer's merge
-    backward (slot ``l``) for the block's backward, which runs after all of them (they consume its outputs)."""
+    """The gradients of a block's ``count`` parts, ``do`` ``[count, T, d]`` and ``dlse`` ``[count, T]``, written by
+    each sublayer's merge backward (slot ``l``) for the block's backward, which runs after all of them (they consume
+    its outputs)."""
 
+    count: int
     do: torch.Tensor | None = None
     dlse: torch.Tensor | None = None
     filled: set[int] = dataclasses.field(default_factory=set)
 
-    def slots(self, like: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def slots(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both, allocated by the first caller in the shape and dtype of a part ``like``."""
         if self.do is None:
-            self.do = torch.empty(count, *like.shape, dtype=like.dtype, device=like.device)
-            self.dlse = torch.empty(count, like.shape[0], dtype=torch.float32, device=like.device)
+            self.do = torch.empty(self.count, *like.shape, dtype=like.dtype, device=like.device)
+            self.dlse = torch.empty(self.count, like.shape[0], dtype=torch.float32, device=like.device)
         return self.do, self.dlse
 
 
@@ -237,7 +239,7 @@ class BlockMix(torch.autograd.Function):
         n, S = ctx.meta["N"], ctx.meta["S"]
         sources, rms = tuple(tensors[:n]), tuple(tensors[n:])
         T, D = sources[0].shape
-        do, dlse = ctx.grads.slots(sources[0], S)
+        do, dlse = ctx.grads.slots(sources[0])
         for l in range(S):  # parts no merge took (or that reached autograd some other way)
             extra_o, extra_lse = grads_out[l], grads_out[S + l]
             if l not in ctx.grads.filled:
@@ -270,7 +272,7 @@ class Merge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mixed: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor | None,  # noqa: ANN001
                 partial_rms: torch.Tensor | None, query: torch.Tensor, weight: torch.Tensor, eps: float,
-                grads: BlockGrads, slot: int, count: int) -> torch.Tensor:
+                grads: BlockGrads, slot: int) -> torch.Tensor:
         T, D = mixed.shape
         has_p = partial is not None
         y = torch.empty_like(mixed)
@@ -280,7 +282,7 @@ class Merge(torch.autograd.Function):
         merge_fwd_kernel[lambda m: (triton.cdiv(T, m["BT"]),)](mixed, lse, xp, rp, query, weight, y, s_p, T, eps,
                                                                  **meta)
         ctx.save_for_backward(mixed, lse, xp, rp, query, weight, s_p)
-        ctx.meta, ctx.eps, ctx.grads, ctx.slot, ctx.count = meta, eps, grads, slot, count
+        ctx.meta, ctx.eps, ctx.grads, ctx.slot = meta, eps, grads, slot
         return y
 
     @staticmethod
@@ -288,7 +290,7 @@ class Merge(torch.autograd.Function):
         mixed, lse, xp, rp, query, weight, s_p = ctx.saved_tensors
         T, D = mixed.shape
         has_p = ctx.meta["HAS_P"]
-        do, dlse = ctx.grads.slots(mixed, ctx.count)
+        do, dlse = ctx.grads.slots(mixed)
         programs = triton.cdiv(T, MERGE_ROWS)
         dxp = torch.empty_like(xp) if has_p else do[ctx.slot]
         drp = torch.empty_like(rp) if has_p else dlse[ctx.slot]
@@ -299,7 +301,7 @@ class Merge(torch.autograd.Function):
         ctx.grads.filled.add(ctx.slot)
         dquery = dq.sum(0).to(query.dtype) if has_p else None
         return (None, None, dxp if has_p else None, drp if has_p else None, dquery, dg.sum(0).to(weight.dtype),
-                None, None, None, None)
+                None, None, None)
 
 
 def attn_res_block_mix(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.Tensor], queries: torch.Tensor,
@@ -309,13 +311,13 @@ def attn_res_block_mix(sources: Sequence[torch.Tensor], inv_rms: Sequence[torch.
     :func:`attn_res_merge`. Arguments as :func:`kernels.attn_res.attn_res_mix`'s."""
     sinks = check_sources(sources, inv_rms, sinks)
     S, D = queries.shape
-    if queries.shape[1] != sources[0].shape[1] or not 1 <= S <= 16:
+    if D != sources[0].shape[1] or not 1 <= S <= 16:
         raise ValueError(f"queries must be [S, {sources[0].shape[1]}] with 1 <= S <= 16, got {tuple(queries.shape)}")
     if not use_kernels(sources[0]):
         o, lse = naive_attn_res_block_mix(sources, inv_rms, queries)
         return BlockMixture(tuple(o.unbind(0)), tuple(lse.unbind(0)), None)
     tensors = [s.contiguous() for s in sources] + [r.contiguous() for r in inv_rms]
-    grads = BlockGrads()
+    grads = BlockGrads(S)
     out = BlockMix.apply(queries.contiguous(), grads, sinks, *tensors)
     return BlockMixture(tuple(out[:S]), tuple(out[S:]), grads)
 
@@ -330,4 +332,4 @@ def attn_res_merge(block: BlockMixture, slot: int, partial: torch.Tensor | None,
     if block.grads is None:
         return naive_attn_res_merge(mixed, lse, partial, partial_rms, query, weight, eps)
     return Merge.apply(mixed, lse, None if partial is None else partial.contiguous(), partial_rms, query, weight,
-                       float(eps), block.grads, slot, len(block.mixed))
+                       float(eps), block.grads, slot)

@@ -90,6 +90,12 @@ def softmax_weight(logits, o_t, m_t, i, b_max, b_z, N: tl.constexpr):
     return tl.exp(tl.load(logits + o_t * N + i, mask=m_t, other=0.) - b_max) / b_z
 
 
+@triton.jit
+def rms_norm(b_h, b_g, eps, D: tl.constexpr):
+    """``RMSNorm(h) · g`` of rows ``b_h`` [BT, BD] (float32, zero past column D)."""
+    return b_h * tl.rsqrt(tl.sum(b_h * b_h, 1) / D + eps)[:, None] * b_g[None, :]
+
+
 @autotune(FWD_SPACE, key=TUNING_KEY)
 @triton.jit
 def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
@@ -114,8 +120,7 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
         b_max = new_max
     b_mix = b_acc / b_sum[:, None]
     if NORM:
-        b_rinv = tl.rsqrt(tl.sum(b_mix * b_mix, 1) / D + eps)
-        b_mix = b_mix * b_rinv[:, None] * tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
+        b_mix = rms_norm(b_mix, tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32), eps, D)
     tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
 
 
