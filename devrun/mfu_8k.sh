@@ -15,11 +15,6 @@ export PYTHONUNBUFFERED=1
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 default_config=devrun/gpu_small_8k_h200.yaml
 [ "${gpu_mib:-0}" -gt 0 ] && [ "${gpu_mib}" -lt 100000 ] && default_config=devrun/gpu_small_8k_h100.yaml
-# Two-phase AttnRes keeps one [T, d] more per sublayer outside the recomputed layers: about 3 GiB on the H100
-# recipe's 76.8, so its default run mixes one sublayer at a time until that is measured (devrun/README.md).
-if [ -z "${STAGE_CONFIG:-}" ] && [ "$default_config" = devrun/gpu_small_8k_h100.yaml ]; then
-  export LONGWEAVE_ATTN_RES=${LONGWEAVE_ATTN_RES:-per-sublayer}
-fi
 echo "GPU memory ${gpu_mib:-unknown} MiB: stage config ${STAGE_CONFIG:-$default_config}"
 # Triton's and Inductor's caches (autotuning results included) from an earlier call, when carried as .cache.txz: the
 # stage's first step then takes about 20 s instead of 143-230 s. The call leaves the updated caches xz-compressed

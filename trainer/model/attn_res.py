@@ -22,7 +22,8 @@ finished-blocks parts are mixed at once, each finished block read once for all o
 (``kernels.attn_res.attn_res_block_mix``), and each sublayer only merges its part with the open block
 (``attn_res_merge``): the paper's two-phase computation. It keeps one ``[T, d]`` part per sublayer until the
 backward, so it is used only for blocks none of whose sublayers is in a recomputed layer (``begin``'s
-``recomputed_sublayers``), and ``LONGWEAVE_ATTN_RES=per-sublayer`` turns it off (an A/B of the two).
+``recomputed_sublayers``). ``LONGWEAVE_ATTN_RES=two-phase`` or ``per-sublayer`` overrides the config (an A/B of
+the two in one call).
 """
 from __future__ import annotations
 
@@ -103,12 +104,13 @@ class BlockAttnRes(nn.Module):
     (see the module docstring)."""
 
     def __init__(self, d_model: int, n_sublayers: int, block_size: int, eps: float = 1e-6,
-                 two_phase: bool = True) -> None:
+                 two_phase: bool = False) -> None:
         super().__init__()
         if block_size < 1 or n_sublayers % block_size:
             raise ValueError(f"block_size: must divide n_sublayers={n_sublayers}, got {block_size}")
         self.n_sublayers, self.block_size, self.eps = n_sublayers, block_size, eps
-        self.two_phase = two_phase and os.environ.get("LONGWEAVE_ATTN_RES", "two-phase") != "per-sublayer"
+        self.two_phase = {"two-phase": True, "per-sublayer": False}.get(os.environ.get("LONGWEAVE_ATTN_RES", ""),
+                                                                          two_phase)
         self.queries = nn.Parameter(torch.zeros(n_sublayers + 1, d_model))
 
     def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:

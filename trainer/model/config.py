@@ -94,11 +94,12 @@ class AttnResConfig:
     """Block attention residuals. Sublayers (each attention and each FFN) are split into ``n_blocks`` equal blocks;
     ``n_blocks == 2 · n_layers`` is full AttnRes. ``enabled=False`` gives standard pre-norm residuals.
     ``two_phase``: mix a block's finished-blocks parts for all its sublayers at once where none is recomputed (the
-    same sums, fewer passes over memory; one ``[T, d]`` more per sublayer until the backward)."""
+    same sums, fewer passes over memory; one ``[T, d]`` more per sublayer until the backward). Off: on an H100 at
+    8 × 8K it was no faster in the step and 0.93× in its bench (BENCHMARKS.md, 2026-12-07)."""
 
     enabled: bool = True
     n_blocks: int = 8
-    two_phase: bool = True
+    two_phase: bool = False
 
     def __post_init__(self) -> None:
         require_positive_ints(self, "n_blocks")
