@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.model.attn_res import add_inv_rms, inv_rms
+from kernels.attn_res import GradSink, sinked
+from trainer.model.attn_res import SinkedAdd, add_inv_rms, add_inv_rms_bwd, inv_rms
 from trainer.model.multimodal import cross_entropy_chunk
 from trainer.model.fused import gated_rms_norm, joint_linear, sigmoid_gate
 from vision.encoder import _apply_rope
@@ -23,6 +24,7 @@ def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
     return [
         ("inv_rms", inv_rms, (t(T, d), 1e-6)),
         ("add_inv_rms", add_inv_rms, (t(T, d), t(T, d), 1e-6)),
+        ("add_inv_rms_bwd", add_inv_rms_bwd, (t(T, d), t(T, kind=torch.float32), t(T, d), t(T, kind=torch.float32))),
         ("gated_rms_norm", gated_rms_norm, (t(T, 2, 32), t(32, kind=torch.float32), 1e-6,
                                             t(T, 96)[:, 16:80].view(T, 2, 32))),  # a column slice, as in KDALayer
         ("sigmoid_gate", sigmoid_gate, (t(T, d), t(T, 2 * d)[:, d:])),
@@ -101,3 +103,21 @@ def test_joint_linear_equals_the_separate_layers() -> None:
         torch.testing.assert_close(a, b)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_sinked_add_matches_autograd_through_add_inv_rms() -> None:
+    """``SinkedAdd``'s backward (by hand, x's gradient handed over through the sink to x's other reader, which runs
+    backward after it as the next mixture does) against autograd through ``add_inv_rms``, in float64."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 48, generator=g, dtype=torch.float64, requires_grad=True)
+    a, w = (torch.randn(70, 48, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def loss(x_read: torch.Tensor, add) -> torch.Tensor:  # noqa: ANN001 - y reads x, as a sublayer its mixture
+        total, rms = add(x, torch.tanh(a * x_read))
+        return (total * w).sum() + (rms * rms).sum()
+
+    want = torch.autograd.grad(loss(x, lambda p, q: add_inv_rms(p, q, 1e-6)), x)[0]
+    sink = GradSink()
+    got = torch.autograd.grad(loss(sinked(x, sink), lambda p, q: SinkedAdd.apply(p, q, sink, 1e-6)), x)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert sink.grad is None  # handed on by the Sinked node, which ran last

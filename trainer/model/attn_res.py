@@ -36,7 +36,8 @@ from torch import nn
 from kernels.attn_res import BlockMixture, GradSink, attn_res_block_mix, attn_res_merge, attn_res_mix, sinked
 from vision.fusion import cuda_compiled
 
-__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "inv_rms", "add_inv_rms"]
+__all__ = ["ResidualState", "StandardResiduals", "BlockAttnRes", "SinkedAdd", "inv_rms", "add_inv_rms",
+           "add_inv_rms_bwd"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,7 +46,9 @@ class ResidualState:
     cached (their RMSNorm is needed by every later sublayer) and the ``GradSink`` each is ``sinked`` with (every later
     sublayer's mixture adds its gradient there in place); ``partial``: the running sum (the whole residual stream for
     standard residuals, the open block for AttnRes; None when no block is open), with its inv_rms when the add that
-    made it computed them (``partial_inv_rms``; None: computed where needed); ``mixture``: the open block's
+    made it computed them (``partial_inv_rms``; None: computed where needed) and, when the next mixture reads it
+    one sublayer at a time, the sink its gradients meet in and its view through that sink (``partial_sink``,
+    ``partial_sinked``: the next add's gradient is put there, see ``SinkedAdd``); ``mixture``: the open block's
     finished-blocks parts when it runs in two phases (its first sublayer ``mixture_at``), and ``two_phase_from``: the
     first sublayer a block may start at to do so."""
 
@@ -57,6 +60,8 @@ class ResidualState:
     mixture: BlockMixture | None = None
     mixture_at: int = 0
     two_phase_from: int = 0
+    partial_sink: GradSink | None = None
+    partial_sinked: torch.Tensor | None = None
 
 
 def _rsqrt_mean_square(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,6 +79,46 @@ def add_inv_rms(x: torch.Tensor, y: torch.Tensor, eps: float) -> tuple[torch.Ten
     """``x + y`` and its inv_rms (as :func:`inv_rms`), in one pass over the sum on CUDA."""
     total = x + y
     return total, _rsqrt_mean_square(total, eps)
+
+
+@cuda_compiled
+def add_inv_rms_bwd(total: torch.Tensor, rms: torch.Tensor, d_total: torch.Tensor, d_rms: torch.Tensor
+                    ) -> torch.Tensor:
+    """The gradient of ``x + y`` (either) through ``add_inv_rms``: ``d_total - total r³ d_rms / d``, one pass."""
+    acc = torch.promote_types(d_total.dtype, torch.float32)
+    coef = (-(rms * rms * rms) * d_rms / total.shape[-1]).to(acc)
+    return (d_total.to(acc) + total.to(acc) * coef[:, None]).to(d_total.dtype)
+
+
+class SinkedAdd(torch.autograd.Function):
+    """``add_inv_rms(x, y)`` where x, the open block, is also a source of the next mixture through ``sink``: its
+    gradient is put in ``sink.grad`` for that mixture's backward kernel to add into in place (the mixture runs
+    backward after this add: its output feeds the sublayer whose value y is), instead of autograd adding the two
+    ``[T, d]`` gradients. The same tensor is y's gradient: the sublayer's backward is done with it before the
+    mixture adds into it. Untimed on a GPU (devrun/README.md: about 32 ``[T, d]`` adds a micro-batch fewer)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor, sink: GradSink, eps: float  # noqa: ANN001
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        total, rms = add_inv_rms(x, y, eps)
+        ctx.save_for_backward(total, rms)
+        ctx.sink = sink
+        ctx.set_materialize_grads(False)
+        return total, rms
+
+    @staticmethod
+    def backward(ctx, d_total: torch.Tensor | None, d_rms: torch.Tensor | None  # noqa: ANN001
+                 ) -> tuple[torch.Tensor | None, ...]:
+        total, rms = ctx.saved_tensors
+        if d_total is None:
+            d_total = torch.zeros_like(total)
+        if d_rms is None:  # d_total may be another node's too: never handed to a kernel that adds into it
+            return d_total, d_total, None, None
+        g = add_inv_rms_bwd(total, rms, d_total, d_rms)
+        if ctx.sink.grad is None:
+            ctx.sink.grad = g
+            return None, g, None, None
+        return g, g, None, None  # the mixture ran first: autograd sums through the sink's node
 
 
 class StandardResiduals(nn.Module):
@@ -121,9 +166,9 @@ class BlockAttnRes(nn.Module):
         sources, rms = list(state.blocks), list(state.inv_rms)
         sinks: list[GradSink | None] = list(state.sinks)
         if state.partial is not None:
-            sources.append(state.partial)
+            sources.append(state.partial if state.partial_sink is None else state.partial_sinked)
             rms.append(self._inv_rms(state.partial) if state.partial_inv_rms is None else state.partial_inv_rms)
-            sinks.append(None)
+            sinks.append(state.partial_sink)
         return sources, rms, sinks
 
     def _mix(self, state: ResidualState, query: torch.Tensor) -> torch.Tensor:
@@ -166,10 +211,17 @@ class BlockAttnRes(nn.Module):
         return attn_res_mix(sources, rms, self.queries[index], norm.weight, eps, sinks=sinks)
 
     def add(self, state: ResidualState, index: int, value: torch.Tensor) -> ResidualState:
-        partial, rms = (value, None) if state.partial is None else add_inv_rms(state.partial, value, self.eps)
-        if (index + 1) % self.block_size:
-            return dataclasses.replace(state, partial=partial, partial_inv_rms=rms)
-        return self._finished(state, partial, index + 1, rms)
+        if state.partial is None:
+            partial, rms = value.contiguous(), None
+        elif state.partial_sink is not None:
+            partial, rms = SinkedAdd.apply(state.partial, value, state.partial_sink, self.eps)
+        else:
+            partial, rms = add_inv_rms(state.partial, value, self.eps)
+        if (index + 1) % self.block_size == 0:
+            return self._finished(state, partial, index + 1, rms)
+        sink = GradSink() if state.mixture is None else None  # a merge reads the partial through autograd
+        return dataclasses.replace(state, partial=partial, partial_inv_rms=rms, partial_sink=sink,
+                                   partial_sinked=None if sink is None else sinked(partial, sink))
 
     def output(self, state: ResidualState) -> torch.Tensor:
         return self._mix(state, self.queries[self.n_sublayers])
