@@ -4,7 +4,7 @@
 # then the AttnRes mixture's bench (BENCH=0 skips it; BENCH_ARGS adds to its arguments), also for each untracked
 # variant kernels/attn_res/mix_*.py put in mix.py's place in turn (an A/B: the tree's kernel first), then the 8k stage
 # through DeepSpeed with its config's profiled step (STAGE=0 skips it). Run after the wheel-install prefix with a call
-# limit of 600 s, carry [".whl", ".devdata"] (and ".cache.txz" when it exists, see below). The run folder stays in
+# limit of 600 s, carry [".whl", ".devdata/shards"] (and ".cache.txz" when it exists, see below). The run folder stays in
 # /tmp (a call returns at most 8 files); its metrics, profile summary and kernel CSV are copied to $OUT as they
 # appear, so a call cut off by its limit still returns the steps it finished. STAGE_CONFIG (one or more) and
 # STAGE_SECONDS (default 390, each) pick the stage runs; the default config is devrun/gpu_small_8k_h200.yaml (nothing
