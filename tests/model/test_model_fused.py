@@ -24,7 +24,8 @@ def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
     return [
         ("inv_rms", inv_rms, (t(T, d), 1e-6)),
         ("add_inv_rms", add_inv_rms, (t(T, d), t(T, d), 1e-6)),
-        ("add_inv_rms_bwd", add_inv_rms_bwd, (t(T, d), t(T, kind=torch.float32), t(T, d), t(T, kind=torch.float32))),
+        ("add_inv_rms_bwd", add_inv_rms_bwd,
+         (t(T, d), t(T, kind=torch.float32), t(T, d), t(T, kind=torch.float32))),
         ("gated_rms_norm", gated_rms_norm, (t(T, 2, 32), t(32, kind=torch.float32), 1e-6,
                                             t(T, 96)[:, 16:80].view(T, 2, 32))),  # a column slice, as in KDALayer
         ("sigmoid_gate", sigmoid_gate, (t(T, d), t(T, 2 * d)[:, d:])),
@@ -107,13 +108,14 @@ def test_joint_linear_equals_the_separate_layers() -> None:
 
 def test_sinked_add_matches_autograd_through_add_inv_rms() -> None:
     """``SinkedAdd``'s backward (by hand, x's gradient handed over through the sink to x's other reader, which runs
-    backward after it as the next mixture does) against autograd through ``add_inv_rms``, in float64."""
+    backward after it as the next mixture does; both read x through the sink) against autograd through
+    ``add_inv_rms``, in float64."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(70, 48, generator=g, dtype=torch.float64, requires_grad=True)
     a, w = (torch.randn(70, 48, generator=g, dtype=torch.float64) for _ in range(2))
 
     def loss(x_read: torch.Tensor, add) -> torch.Tensor:  # noqa: ANN001 - y reads x, as a sublayer its mixture
-        total, rms = add(x, torch.tanh(a * x_read))
+        total, rms = add(x_read, torch.tanh(a * x_read))
         return (total * w).sum() + (rms * rms).sum()
 
     want = torch.autograd.grad(loss(x, lambda p, q: add_inv_rms(p, q, 1e-6)), x)[0]

@@ -47,8 +47,8 @@ class ResidualState:
     sublayer's mixture adds its gradient there in place); ``partial``: the running sum (the whole residual stream for
     standard residuals, the open block for AttnRes; None when no block is open), with its inv_rms when the add that
     made it computed them (``partial_inv_rms``; None: computed where needed) and, when the next mixture reads it
-    one sublayer at a time, the sink its gradients meet in and its view through that sink (``partial_sink``,
-    ``partial_sinked``: the next add's gradient is put there, see ``SinkedAdd``); ``mixture``: the open block's
+    one sublayer at a time, the sink its gradients meet in (``partial_sink``; ``partial`` is then ``sinked`` with it,
+    and the next add's gradient is put there, see ``SinkedAdd``); ``mixture``: the open block's
     finished-blocks parts when it runs in two phases (its first sublayer ``mixture_at``), and ``two_phase_from``: the
     first sublayer a block may start at to do so."""
 
@@ -61,7 +61,6 @@ class ResidualState:
     mixture_at: int = 0
     two_phase_from: int = 0
     partial_sink: GradSink | None = None
-    partial_sinked: torch.Tensor | None = None
 
 
 def _rsqrt_mean_square(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,11 +90,12 @@ def add_inv_rms_bwd(total: torch.Tensor, rms: torch.Tensor, d_total: torch.Tenso
 
 
 class SinkedAdd(torch.autograd.Function):
-    """``add_inv_rms(x, y)`` where x, the open block, is also a source of the next mixture through ``sink``: its
-    gradient is put in ``sink.grad`` for that mixture's backward kernel to add into in place (the mixture runs
-    backward after this add: its output feeds the sublayer whose value y is), instead of autograd adding the two
-    ``[T, d]`` gradients. The same tensor is y's gradient: the sublayer's backward is done with it before the
-    mixture adds into it. Untimed on a GPU (devrun/README.md: about 32 ``[T, d]`` adds a micro-batch fewer)."""
+    """``add_inv_rms(x, y)`` where x, the open block ``sinked`` with ``sink``, is also a source of the next mixture:
+    x's gradient is put in ``sink.grad`` for that mixture's backward kernel to add into in place (the mixture runs
+    backward after this add: its output feeds the sublayer whose value y is; the sink's node runs after both, its
+    consumers), instead of autograd adding the two ``[T, d]`` gradients. The same tensor is y's gradient: the
+    sublayer's backward is done with it before the mixture adds into it. Untimed on a GPU (devrun/README.md: about
+    32 ``[T, d]`` adds a micro-batch fewer)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, y: torch.Tensor, sink: GradSink, eps: float  # noqa: ANN001
@@ -109,12 +109,10 @@ class SinkedAdd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_total: torch.Tensor | None, d_rms: torch.Tensor | None  # noqa: ANN001
                  ) -> tuple[torch.Tensor | None, ...]:
-        total, rms = ctx.saved_tensors
-        if d_total is None:
-            d_total = torch.zeros_like(total)
         if d_rms is None:  # d_total may be another node's too: never handed to a kernel that adds into it
             return d_total, d_total, None, None
-        g = add_inv_rms_bwd(total, rms, d_total, d_rms)
+        total, rms = ctx.saved_tensors
+        g = add_inv_rms_bwd(total, rms, torch.zeros_like(total) if d_total is None else d_total, d_rms)
         if ctx.sink.grad is None:
             ctx.sink.grad = g
             return None, g, None, None
@@ -166,7 +164,7 @@ class BlockAttnRes(nn.Module):
         sources, rms = list(state.blocks), list(state.inv_rms)
         sinks: list[GradSink | None] = list(state.sinks)
         if state.partial is not None:
-            sources.append(state.partial if state.partial_sink is None else state.partial_sinked)
+            sources.append(state.partial)
             rms.append(self._inv_rms(state.partial) if state.partial_inv_rms is None else state.partial_inv_rms)
             sinks.append(state.partial_sink)
         return sources, rms, sinks
@@ -219,9 +217,10 @@ class BlockAttnRes(nn.Module):
             partial, rms = add_inv_rms(state.partial, value, self.eps)
         if (index + 1) % self.block_size == 0:
             return self._finished(state, partial, index + 1, rms)
-        sink = GradSink() if state.mixture is None else None  # a merge reads the partial through autograd
-        return dataclasses.replace(state, partial=partial, partial_inv_rms=rms, partial_sink=sink,
-                                   partial_sinked=None if sink is None else sinked(partial, sink))
+        if state.mixture is not None:  # a merge reads the partial through autograd
+            return dataclasses.replace(state, partial=partial, partial_inv_rms=rms, partial_sink=None)
+        sink = GradSink()
+        return dataclasses.replace(state, partial=sinked(partial, sink), partial_inv_rms=rms, partial_sink=sink)
 
     def output(self, state: ResidualState) -> torch.Tensor:
         return self._mix(state, self.queries[self.n_sublayers])
