@@ -36,6 +36,7 @@ class StagePlan:
     token_budget: int
     activation_checkpointing: Recompute
     vision_checkpointing: Recompute
+    keep_routed_rows: bool
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -46,7 +47,7 @@ def plan_stage(config: TrainConfig, stage: StageRun, world_size: int) -> StagePl
                      grad_accum=config.grad_accum(stage, world_size), world_size=world_size,
                      tokens_per_step=config.tokens_per_step, steps=config.steps_in(stage),
                      token_budget=stage.token_budget, activation_checkpointing=config.checkpointing(stage),
-                     vision_checkpointing=config.vision_checkpointing(stage))
+                     vision_checkpointing=config.vision_checkpointing(stage), keep_routed_rows=stage.keep_routed_rows)
 
 
 def stage_manifest(config: TrainConfig, stage: StageRun) -> ShardManifest:

@@ -157,6 +157,7 @@ class Trainer:
         set_stage_batch(self.engine, stage.micro_batch, self.plan.grad_accum, self.world_size)
         self.model_config.checkpoint_layers = self.plan.activation_checkpointing   # the decoder reads it per forward
         self.model_config.vision.checkpoint_layers = self.plan.vision_checkpointing
+        self.model_config.keep_routed_rows = self.plan.keep_routed_rows
         for field, owner in (("activation_checkpointing", self.model_config),
                              ("vision_checkpointing", self.model_config.vision)):
             try:
@@ -170,9 +171,10 @@ class Trainer:
             self.loader.load_state_dict(loader_state)
         self.batches: Iterator[dict[str, Any]] = iter(self.loader)
         log.info("stage %s: seq_len %d, micro_batch %d, grad_accum %d, %d steps, activation checkpointing %s "
-                 "(vision tower: %s)", name, stage.seq_len, stage.micro_batch, self.plan.grad_accum, self.plan.steps,
+                 "(vision tower: %s)%s", name, stage.seq_len, stage.micro_batch, self.plan.grad_accum, self.plan.steps,
                  recompute_label(self.plan.activation_checkpointing),
-                 recompute_label(self.plan.vision_checkpointing))
+                 recompute_label(self.plan.vision_checkpointing),
+                 ", the MoE layers' routed rows kept" if self.plan.keep_routed_rows else "")
 
     def save_checkpoint(self) -> Path:
         tag = f"step-{self.state.step:08d}"

@@ -28,15 +28,15 @@ def recomputing() -> bool:
 
 
 def moe_experts(tokens: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan,
-                row_gates: torch.Tensor, backend: str) -> torch.Tensor:
+                row_gates: torch.Tensor, backend: str, keep_rows: bool = False) -> torch.Tensor:
     """Routed SwiGLU experts of tokens `[T, d]`, one row per (token, slot) in expert order, each row's output times
     its gate: w13 `[E, d, 2F]`, w2 `[E, F, d]`, row_gates fp32 `[T·k]` (expert order) -> `[T·k, d]`.
 
-    Neither `[T·k, d]` tensor is kept for the backward: the first GEMM reads the tokens through the permutation and
-    gathers them again for its weight gradient (``spread_grouped_mm``), and the gate scales the activation `[T·k, F]`
-    before the down projection rather than its output after it (the same product; the gate's gradient comes from
-    the activation the SwiGLU recomputes anyway)."""
-    hidden = swiglu(spread_grouped_mm(tokens, w13, plan, backend), backend, scale=row_gates)
+    Unless ``keep_rows``, neither `[T·k, d]` tensor is kept for the backward: the first GEMM reads the tokens through
+    the permutation and gathers them again for its weight gradient (``spread_grouped_mm``), and the gate scales the
+    activation `[T·k, F]` before the down projection rather than its output after it (the same product; the gate's
+    gradient comes from the activation the SwiGLU recomputes anyway)."""
+    hidden = swiglu(spread_grouped_mm(tokens, w13, plan, backend, keep_rows), backend, scale=row_gates)
     return _grouped_mm(hidden, w2, plan.offs, backend)
 
 
@@ -54,6 +54,11 @@ class MoELayer(nn.Module):
     Above `slice_tokens` tokens (None: never) the experts run in slices of that many tokens, each checkpointed
     (only its inputs saved, its routed rows recomputed in the backward). Routing stays global, so the
     balancer observes every token of the forward at once; outputs and gradients equal the unsliced ones.
+
+    `forward(x, keep_routed_rows=True)` keeps the routed rows `[T·k, d]` from the forward to the backward instead of
+    gathering them again for the experts' weight gradient: for a layer under activation checkpointing, where they
+    live only from its recompute to its backward (the decoder passes it for those), or where memory is to spare.
+    The slices do not (the 1M-token step's peak is what they are for).
     """
 
     def __init__(
@@ -112,7 +117,7 @@ class MoELayer(nn.Module):
             nn.init.normal_(self.shared2, std=1.0 / math.sqrt(self.shared2.shape[0]))
         self.balancer.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keep_routed_rows: bool = False) -> torch.Tensor:
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must end in d_model={self.d_model}, got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
@@ -124,7 +129,7 @@ class MoELayer(nn.Module):
         if size is None or tokens.shape[0] <= size:
             plan = plan_routing(routing.expert_idx, self.n_experts)
             self.last_load = plan.counts
-            out = self._experts(tokens, routing.gates, plan, backend)
+            out = self._experts(tokens, routing.gates, plan, backend, keep_routed_rows)
         else:
             self.last_load = expert_counts(routing.expert_idx, self.n_experts)
             pieces = zip(tokens.split(size), routing.gates.split(size), routing.expert_idx.split(size))
@@ -135,12 +140,13 @@ class MoELayer(nn.Module):
                ) -> torch.Tensor:
         """One slice of tokens `[T, d]` with its gates and experts `[T, k]`: its own routing plan and experts, so
         one checkpointed call holds every per-token buffer after the router."""
-        return self._experts(tokens, gates, plan_routing(expert_idx, self.n_experts), backend)
+        return self._experts(tokens, gates, plan_routing(expert_idx, self.n_experts), backend, keep_rows=False)
 
-    def _experts(self, tokens: torch.Tensor, gates: torch.Tensor, plan: RoutingPlan, backend: str) -> torch.Tensor:
+    def _experts(self, tokens: torch.Tensor, gates: torch.Tensor, plan: RoutingPlan, backend: str, keep_rows: bool
+                 ) -> torch.Tensor:
         """Routed plus shared experts of tokens `[T, d]`, their gates `[T, k]` and routing plan."""
         row_gates = gates.reshape(-1).index_select(0, plan.order)  # expert order, as the rows
-        y = moe_experts(tokens, self.w13, self.w2, plan, row_gates, backend)
+        y = moe_experts(tokens, self.w13, self.w2, plan, row_gates, backend, keep_rows)
         out = combine(y, plan, backend)
         if self.shared13 is not None:  # the sum in the down projection's epilogue: no [T, d] add of its own
             out = torch.addmm(out, swiglu(tokens @ self.shared13, backend), self.shared2)

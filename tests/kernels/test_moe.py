@@ -135,17 +135,22 @@ def test_layer_saves_no_row_per_slot_of_width_d(backend: str) -> None:
     assert (t * k, 2 * f) in shapes and (t * k,) in shapes  # the SwiGLU's input and the gates in expert order
     out.sum().backward()
     assert layer.router.grad is not None and layer.router.grad.abs().sum() > 0
+    shapes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: (shapes.append(tuple(s.shape)), s)[1], lambda s: s):
+        layer(x, keep_routed_rows=True)
+    assert shapes.count((t * k, d)) == 1, shapes  # asked to: the routed rows, once, for w13's gradient
 
 
+@pytest.mark.parametrize("keep_routed_rows", [False, True])
 @pytest.mark.parametrize("backend", ["triton", TORCH_FP32, "loop"])
-def test_layer_matches_naive_fp32(backend: str) -> None:
+def test_layer_matches_naive_fp32(backend: str, keep_routed_rows: bool) -> None:
     torch.manual_seed(1)
     layer = MoELayer(32, 16, 6, 2, n_shared=1, gate_scale=2.5, backend=backend).to(DEVICE)
     layer.balancer.bias.copy_(torch.randn(6) * 0.1)
     x = torch.randn(2, 12, 32, device=DEVICE, requires_grad=True)
     dout = torch.randn(2, 12, 32, device=DEVICE)
     params = [layer.router, layer.w13, layer.w2, layer.shared13, layer.shared2]
-    out = layer(x)
+    out = layer(x, keep_routed_rows)
     grads = torch.autograd.grad(out, [x, *params], dout)
     ref = naive_moe(x.view(-1, 32), layer.router, layer.balancer.bias, layer.w13, layer.w2, 2, 2.5,
                     layer.shared13, layer.shared2)

@@ -198,8 +198,8 @@ def test_config_errors_name_the_field(change: dict, match: str) -> None:
 
 def test_only_the_first_n_layers_recompute(pieces: list[Piece]) -> None:
     """checkpoint_layers = N runs decoder layers 0..N-1 twice per step (forward, then the backward's recompute) and
-    the others once; the loss and every gradient are the same whichever layers recompute (AttnRes one sublayer at a
-    time: in two phases the blocks of recomputed layers would sum in another order)."""
+    the others once; the loss and every gradient are the same whichever layers recompute or keep their routed rows
+    (AttnRes one sublayer at a time: in two phases the blocks of recomputed layers would sum in another order)."""
     batch = make_batch([[pieces[0], pieces[1]]])
     torch.manual_seed(0)
     config = tiny()
@@ -209,18 +209,19 @@ def test_only_the_first_n_layers_recompute(pieces: list[Piece]) -> None:
     for i, layer in enumerate(model.decoder.layers):
         layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
 
-    def step(setting: bool | int) -> tuple[list[int], float, dict[str, torch.Tensor]]:
+    def step(setting: bool | int, keep_routed_rows: bool = False) -> tuple[list[int], float, dict[str, torch.Tensor]]:
         calls[:] = [0] * len(calls)
-        model.config.checkpoint_layers = setting
+        model.config.checkpoint_layers, model.config.keep_routed_rows = setting, keep_routed_rows
         model.zero_grad(set_to_none=True)
         loss = model(**batch).loss
         loss.backward()
         return list(calls), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     runs = {setting: step(setting) for setting in (False, 2, True)}
-    assert [runs[s][0] for s in (False, 2, True)] == [[1, 1, 1, 1], [2, 2, 1, 1], [2, 2, 2, 2]]
+    runs["kept"] = step(2, keep_routed_rows=True)   # the MoE layers not recomputed keep their routed rows too
+    assert [runs[s][0] for s in (False, 2, True, "kept")] == [[1, 1, 1, 1], [2, 2, 1, 1], [2, 2, 2, 2], [2, 2, 1, 1]]
     plain_loss, plain_grads = runs[False][1:]
-    for setting in (2, True):
+    for setting in (2, True, "kept"):
         loss, grads = runs[setting][1:]
         assert loss == plain_loss and grads.keys() == plain_grads.keys()
         for name, grad in grads.items():

@@ -162,6 +162,8 @@ def test_config_errors_name_the_field(short_shards: Path) -> None:
             with pytest.raises(ValueError, match=rf"stages\[c\]\.{field}: must be true, false, a number of "
                                                  r"layers or absent, got"):
                 StageRun(name="c", seq_len=8, token_budget=8, **{field: bad})
+    with pytest.raises(ValueError, match=r"stages\[c\]\.keep_routed_rows: must be true or false, got 'yes'"):
+        StageRun(name="c", seq_len=8, token_budget=8, keep_routed_rows="yes")
     with pytest.raises(ValueError, match=r"^activation_checkpointing: must be true, false or a number of layers"):
         TrainConfig(data=str(short_shards), tokens_per_step=3000, stages=stages, activation_checkpointing=1.5)
     # How `stage plan` and the logs show each setting.
@@ -238,19 +240,21 @@ def test_device_recipe_of_the_1m_step_alone() -> None:
     assert [(p.stage, p.seq_len, p.micro_batch, p.grad_accum, p.steps) for p in plans] == [("1m", 1048576, 1, 1, 1)]
 
 
-@pytest.mark.parametrize(("name", "micro_batch", "grad_accum", "recomputed", "vision", "profiled"), [
-    ("gpu_small_8k_h100.yaml", 8, 16, 6, 9, 2), ("gpu_small_8k_h200.yaml", 8, 16, False, False, 2),
-    ("gpu_small_8k_h100_mb4.yaml", 4, 32, False, False, 2)])
+@pytest.mark.parametrize(("name", "micro_batch", "grad_accum", "recomputed", "vision", "kept", "profiled"), [
+    ("gpu_small_8k_h100.yaml", 8, 16, 6, 9, False, 2), ("gpu_small_8k_h200.yaml", 8, 16, False, False, True, 2),
+    ("gpu_small_8k_h100_mb4.yaml", 4, 32, False, False, False, 2)])
 def test_device_recipes_of_8k_alone(name: str, micro_batch: int, grad_accum: int, recomputed: bool | int,
-                                    vision: bool | int, profiled: int) -> None:
+                                    vision: bool | int, kept: bool, profiled: int) -> None:
     """The MFU recipes of `devrun/mfu_8k.sh`: 1,048,576 tokens a step. The H100's of 8 × 8K with 6 layers and 9 of the
-    vision tower's 12 blocks recomputed; the same with nothing recomputed for the H200, and at 4 × 8K for the H100.
-    Each profiles its second step (a cold call's first leaves too little time for a later one)."""
+    vision tower's 12 blocks recomputed; the same with nothing recomputed and the routed rows kept for the H200, and
+    at 4 × 8K for the H100. Each profiles its second step (a cold call's first leaves too little time for a later
+    one)."""
     from trainer.config import load_train_config
 
     config = load_train_config(Path(__file__).parents[2] / "devrun" / name)
     plans = [plan_stage(config, stage, world_size=1) for stage in config.stages]
-    assert [(p.stage, p.micro_batch, p.grad_accum, p.steps, p.activation_checkpointing, p.vision_checkpointing)
-            for p in plans] == [("8k", micro_batch, grad_accum, 5, recomputed, vision)] and config.profile_step == profiled
+    assert [(p.stage, p.micro_batch, p.grad_accum, p.steps, p.activation_checkpointing, p.vision_checkpointing,
+             p.keep_routed_rows) for p in plans] == [("8k", micro_batch, grad_accum, 5, recomputed, vision, kept)]
+    assert config.profile_step == profiled
     assert micro_batch * grad_accum * 8192 == config.tokens_per_step
 

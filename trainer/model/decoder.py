@@ -47,12 +47,15 @@ class DecoderLayer(nn.Module):
             if config.is_moe_layer(index) else DenseFFN(d, moe.d_dense)
         )
 
-    def forward(self, state: ResidualState, residuals: nn.Module, seq: PackedSequence) -> ResidualState:
+    def forward(self, state: ResidualState, residuals: nn.Module, seq: PackedSequence,
+                keep_routed_rows: bool = False) -> ResidualState:
+        """``keep_routed_rows``: the MoE FFN keeps its routed rows for the backward (``MoELayer.forward``)."""
         mixer_at, ffn_at = 2 * self.index, 2 * self.index + 1
         h = residuals.normed_input(state, mixer_at, self.mixer_norm)
         state = residuals.add(state, mixer_at, self.mixer(h, seq))
         h = residuals.normed_input(state, ffn_at, self.ffn_norm)
-        return residuals.add(state, ffn_at, self.ffn(h))
+        out = self.ffn(h, keep_routed_rows) if isinstance(self.ffn, MoELayer) else self.ffn(h)
+        return residuals.add(state, ffn_at, out)
 
 
 class Decoder(nn.Module):
@@ -78,7 +81,7 @@ class Decoder(nn.Module):
         state = self.residuals.begin(x, recomputed_sublayers=2 * recomputed)
         for i, layer in enumerate(self.layers):
             if i < recomputed:
-                state = checkpoint(layer, state, self.residuals, seq, use_reentrant=False)
+                state = checkpoint(layer, state, self.residuals, seq, True, use_reentrant=False)
             else:
-                state = layer(state, self.residuals, seq)
+                state = layer(state, self.residuals, seq, self.config.keep_routed_rows)
         return self.residuals.output(state)
