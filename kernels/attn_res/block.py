@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_res.mix import (GradSink, _snapshot_sums, check_sources, gradient_targets, rms_norm,
-                                  rms_norm_bwd, use_kernels)
+from kernels.attn_res.mix import _snapshot_sums, check_sources, gradient_targets, rms_norm, rms_norm_bwd, use_kernels
 from kernels.attn_res.naive import naive_attn_res_block_mix, naive_attn_res_merge
+from kernels.grad_sink import GradSink
 from kernels.tuning import autotune
 
 __all__ = ["BlockMixture", "attn_res_block_mix", "attn_res_merge"]

@@ -19,9 +19,9 @@ the two-blocks-per-SM config is likely what the tuning picks.
 
 A finished block is a source of every later sublayer. Left to autograd, each of those mixtures' backward writes a
 fresh ``[T, d]`` gradient for it and autograd adds it into the block's running sum (read two, write one). A source
-passed through ``sinked(x, sink)`` instead has its gradient added in place by the backward kernel into
-``sink.grad`` (read one, write one, no extra launch), and the ``sinked`` node hands the sum to autograd once, after
-every mixture that read the block has run its backward (autograd's order: they all depend on it).
+passed through ``sinked(x, sink)`` (``kernels.grad_sink``) instead has its gradient added in place by the backward
+kernel into ``sink.grad`` (read one, write one, no extra launch), and the ``sinked`` node hands the sum to autograd
+once, after every mixture that read the block has run its backward (autograd's order: they all depend on it).
 
 Sources are passed as a tuple of tensors (Triton unrolls the loop over them): stacking them would copy all of them.
 """
@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_res.naive import naive_attn_res_mix
+from kernels.grad_sink import GradSink
 from kernels.tuning import autotune
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -203,33 +204,6 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, 
         tl.store(dg + i_p * D + o_d, b_dg, mask=m_d)
 
 
-class GradSink:
-    """The gradient of one source that many mixtures read, summed in place by their backward kernels."""
-
-    __slots__ = ("grad",)
-
-    def __init__(self) -> None:
-        self.grad: torch.Tensor | None = None
-
-
-class Sinked(torch.autograd.Function):
-    """Identity forward; backward hands on ``sink.grad`` (plus whatever reached it through autograd) once every
-    consumer's backward has added into it."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, sink: GradSink) -> torch.Tensor:  # noqa: ANN001
-        ctx.sink = sink
-        ctx.set_materialize_grads(False)  # consumers that added into the sink give autograd nothing: no zeros
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:  # noqa: ANN001
-        total, ctx.sink.grad = ctx.sink.grad, None
-        if total is None or grad is None:
-            return (grad if total is None else total), None
-        return total + grad, None
-
-
 def gradient_targets(sources: Sequence[torch.Tensor], sinks: Sequence[GradSink | None]
                      ) -> tuple[list[torch.Tensor], int]:
     """Where a backward kernel writes each source's gradient: a fresh tensor (no sink), the sink's sum (bit i of the
@@ -242,12 +216,6 @@ def gradient_targets(sources: Sequence[torch.Tensor], sinks: Sequence[GradSink |
             sink.grad = torch.empty_like(source)
         dsrcs.append(torch.empty_like(source) if sink is None else sink.grad)
     return dsrcs, accumulate
-
-
-def sinked(x: torch.Tensor, sink: GradSink) -> torch.Tensor:
-    """x, whose gradient from ``attn_res_mix`` calls given ``sink`` for it is summed in ``sink`` (see the module
-    docstring); any other consumer's gradient still flows through autograd."""
-    return Sinked.apply(x, sink)
 
 
 class AttnResMix(torch.autograd.Function):

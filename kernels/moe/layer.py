@@ -10,13 +10,16 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from kernels.grad_sink import GradSink, sinked, sinked_linear
 
 from .balance import Method, QuantileBalancer
 from .grouped_gemm import BACKENDS, Backend, _grouped_mm, resolve_backend
 from .permute import RoutingPlan, combine, expert_counts, plan_routing, spread_grouped_mm
-from .router import _route
+from .router import _route, route_logits
 from .stats import LoadStats
 from .swiglu import swiglu
 
@@ -28,15 +31,17 @@ def recomputing() -> bool:
 
 
 def moe_experts(tokens: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, plan: RoutingPlan,
-                row_gates: torch.Tensor, backend: str, keep_rows: bool = False) -> torch.Tensor:
+                row_gates: torch.Tensor, backend: str, keep_rows: bool = False, sink: GradSink | None = None
+                ) -> torch.Tensor:
     """Routed SwiGLU experts of tokens `[T, d]`, one row per (token, slot) in expert order, each row's output times
     its gate: w13 `[E, d, 2F]`, w2 `[E, F, d]`, row_gates fp32 `[T·k]` (expert order) -> `[T·k, d]`.
 
     Unless ``keep_rows``, neither `[T·k, d]` tensor is kept for the backward: the first GEMM reads the tokens through
     the permutation and gathers them again for its weight gradient (``spread_grouped_mm``), and the gate scales the
     activation `[T·k, F]` before the down projection rather than its output after it (the same product; the gate's
-    gradient comes from the activation the SwiGLU recomputes anyway)."""
-    hidden = swiglu(spread_grouped_mm(tokens, w13, plan, backend, keep_rows), backend, scale=row_gates)
+    gradient comes from the activation the SwiGLU recomputes anyway). ``sink``: the one tokens were ``sinked``
+    with, where their gradient is summed."""
+    hidden = swiglu(spread_grouped_mm(tokens, w13, plan, backend, keep_rows, sink), backend, scale=row_gates)
     return _grouped_mm(hidden, w2, plan.offs, backend)
 
 
@@ -59,6 +64,10 @@ class MoELayer(nn.Module):
     gathering them again for the experts' weight gradient: for a layer under activation checkpointing, where they
     live only from its recompute to its backward (the decoder passes it for those), or where memory is to spare.
     The slices do not (the 1M-token step's peak is what they are for).
+
+    Unsliced, the router and the shared expert's up projection are one GEMM, and the input's gradient is summed in
+    place (``kernels.grad_sink``): that GEMM's backward and the routed experts' gather-sum add into one buffer, where
+    autograd would add three `[T, d]` gradients with two more kernels.
     """
 
     def __init__(
@@ -121,15 +130,27 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must end in d_model={self.d_model}, got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
-        routing = _route(tokens, self.router, self.balancer.bias, self.top_k, self.gate_scale)
+        size = self.slice_tokens
+        whole = size is None or tokens.shape[0] <= size
+        sink = GradSink() if whole and tokens.requires_grad and torch.is_grad_enabled() else None
+        shared_in = None
+        if whole:  # the router's logits and the shared expert's input from one GEMM
+            if sink is not None:
+                tokens = sinked(tokens, sink)
+            weight = self.router if self.shared13 is None else torch.cat([self.router, self.shared13.t()])
+            joint = F.linear(tokens, weight) if sink is None else sinked_linear(tokens, weight, sink)
+            logits, shared_in = (joint, None) if self.shared13 is None else joint.split(
+                [self.n_experts, self.shared13.shape[1]], dim=1)
+            routing = route_logits(logits, self.balancer.bias, self.top_k, self.gate_scale)
+        else:
+            routing = _route(tokens, self.router, self.balancer.bias, self.top_k, self.gate_scale)
         if self.training and not recomputing():
             self.balancer.observe(routing.scores, routing.alpha, routing.expert_idx)
         backend = resolve_backend(self.backend, tokens)
-        size = self.slice_tokens
-        if size is None or tokens.shape[0] <= size:
+        if whole:
             plan = plan_routing(routing.expert_idx, self.n_experts)
             self.last_load = plan.counts
-            out = self._experts(tokens, routing.gates, plan, backend, keep_routed_rows)
+            out = self._experts(tokens, routing.gates, plan, backend, keep_routed_rows, shared_in, sink)
         else:
             self.last_load = expert_counts(routing.expert_idx, self.n_experts)
             pieces = zip(tokens.split(size), routing.gates.split(size), routing.expert_idx.split(size))
@@ -142,14 +163,16 @@ class MoELayer(nn.Module):
         one checkpointed call holds every per-token buffer after the router."""
         return self._experts(tokens, gates, plan_routing(expert_idx, self.n_experts), backend, keep_rows=False)
 
-    def _experts(self, tokens: torch.Tensor, gates: torch.Tensor, plan: RoutingPlan, backend: str, keep_rows: bool
-                 ) -> torch.Tensor:
-        """Routed plus shared experts of tokens `[T, d]`, their gates `[T, k]` and routing plan."""
+    def _experts(self, tokens: torch.Tensor, gates: torch.Tensor, plan: RoutingPlan, backend: str, keep_rows: bool,
+                 shared_in: torch.Tensor | None = None, sink: GradSink | None = None) -> torch.Tensor:
+        """Routed plus shared experts of tokens `[T, d]`, their gates `[T, k]` and routing plan; ``shared_in``: the
+        shared expert's up projection when already computed, ``sink``: the one tokens were ``sinked`` with."""
         row_gates = gates.reshape(-1).index_select(0, plan.order)  # expert order, as the rows
-        y = moe_experts(tokens, self.w13, self.w2, plan, row_gates, backend, keep_rows)
+        y = moe_experts(tokens, self.w13, self.w2, plan, row_gates, backend, keep_rows, sink)
         out = combine(y, plan, backend)
         if self.shared13 is not None:  # the sum in the down projection's epilogue: no [T, d] add of its own
-            out = torch.addmm(out, swiglu(tokens @ self.shared13, backend), self.shared2)
+            shared_in = tokens @ self.shared13 if shared_in is None else shared_in
+            out = torch.addmm(out, swiglu(shared_in, backend), self.shared2)
         return out
 
     def step_balance(self) -> LoadStats | None:

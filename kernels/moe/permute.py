@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.grad_sink import GradSink
+
 from .grouped_gemm import grouped_mm_nograd, grouped_wgrad_nograd, loop_grouped_mm, resolve_backend
 
 
@@ -54,8 +56,9 @@ def plan_routing(expert_idx: torch.Tensor, n_experts: int) -> RoutingPlan:
 
 
 @triton.jit
-def gather_sum_kernel(y_ptr, pos_ptr, out_ptr, D, TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[t, cols] = Σ_j y[pos[t·k + j], cols], fp32 sum."""
+def gather_sum_kernel(y_ptr, pos_ptr, out_ptr, D, TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
+                      ACC: tl.constexpr):
+    """out[t, cols] (+)= Σ_j y[pos[t·k + j], cols], fp32 sum (added to what out holds if ACC)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     j = tl.arange(0, K_POW2)
@@ -63,16 +66,23 @@ def gather_sum_kernel(y_ptr, pos_ptr, out_ptr, D, TOP_K: tl.constexpr, K_POW2: t
     rows = tl.load(pos_ptr + t * TOP_K + j, mask=mask_j, other=0)
     mask = mask_j[:, None] & (cols < D)[None, :]
     y = tl.load(y_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + cols, tl.sum(y, axis=0).to(out_ptr.dtype.element_ty), mask=cols < D)
+    total = tl.sum(y, axis=0)
+    if ACC:
+        total += tl.load(out_ptr + t * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + cols, total.to(out_ptr.dtype.element_ty), mask=cols < D)
 
 
-def gather_sum(y: torch.Tensor, pos: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Triton launch: `[T, d]` sums of each token's k rows of y `[T·k, d]`."""
+def gather_sum(y: torch.Tensor, pos: torch.Tensor, top_k: int, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launch: `[T, d]` sums of each token's k rows of y `[T·k, d]`, added into ``into`` (contiguous, y's
+    dtype) when given."""
     n_tokens, d = pos.numel() // top_k, y.shape[1]
-    out = torch.empty(n_tokens, d, dtype=y.dtype, device=y.device)
+    out = torch.empty(n_tokens, d, dtype=y.dtype, device=y.device) if into is None else into
+    if out.shape != (n_tokens, d) or out.dtype != y.dtype or not out.is_contiguous():
+        raise ValueError(f"into: must be contiguous [{n_tokens}, {d}] {y.dtype}, got {out.dtype} {tuple(out.shape)}")
     block_d = min(triton.next_power_of_2(d), 1024 if y.is_cuda else 64)
     grid = (n_tokens, triton.cdiv(d, block_d))
-    gather_sum_kernel[grid](y, pos, out, d, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d)
+    gather_sum_kernel[grid](y, pos, out, d, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d,
+                            ACC=into is not None)
     return out
 
 
@@ -116,7 +126,8 @@ class CombineFunction(torch.autograd.Function):
 
 
 class SpreadGroupedMMFunction(torch.autograd.Function):
-    """h = grouped_mm(permute(x), w): the experts' first GEMM reading the tokens through the permutation. Unless
+    """h = grouped_mm(permute(x), w): the experts' first GEMM reading the tokens through the permutation. Given the
+    ``GradSink`` x was ``sinked`` with, the gather-sum that makes x's gradient adds it there. Unless
     ``keep_rows``, saves the tokens `[T, d]` (alive anyway: the router's input) instead of their permuted copy
     `[T·k, d]`, and gathers that copy again in the backward for the weight gradient: one gather of T·k rows against
     keeping them from the forward to the backward (1 GiB per MoE layer at 131K tokens, top-4, d = 1024). Where that
@@ -125,10 +136,10 @@ class SpreadGroupedMMFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, token: torch.Tensor, pos: torch.Tensor,  # noqa: ANN001
-                top_k: int, backend: str, keep_rows: bool) -> torch.Tensor:
+                top_k: int, backend: str, keep_rows: bool, sink: GradSink | None) -> torch.Tensor:
         rows = x.index_select(0, token)
         ctx.save_for_backward(rows if keep_rows else x, w, offs, token, pos)
-        ctx.top_k, ctx.backend, ctx.keep_rows = top_k, backend, keep_rows
+        ctx.top_k, ctx.backend, ctx.keep_rows, ctx.sink = top_k, backend, keep_rows, sink
         return grouped_mm_nograd(rows, w, offs, backend)
 
     @staticmethod
@@ -138,22 +149,27 @@ class SpreadGroupedMMFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dxs = grouped_mm_nograd(dh, w.transpose(-2, -1), offs, ctx.backend)
-            dx = _sum_slots(dxs, pos, ctx.top_k, use_triton=True)
+            sink = ctx.sink
+            if sink is None:
+                dx = gather_sum(dxs, pos, ctx.top_k)
+            else:
+                sink.grad = gather_sum(dxs, pos, ctx.top_k, into=sink.grad)
         if ctx.needs_input_grad[1]:
             rows = saved if ctx.keep_rows else saved.index_select(0, token)
             dw = grouped_wgrad_nograd(rows, dh, offs, ctx.backend)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
-def spread_grouped_mm(x: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, backend: str, keep_rows: bool = False
-                      ) -> torch.Tensor:
+def spread_grouped_mm(x: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, backend: str, keep_rows: bool = False,
+                      sink: GradSink | None = None) -> torch.Tensor:
     """`grouped_mm(permute(x, plan), w, plan.offs)` for x `[T, d]`, w `[E, d, N]` -> `[T·k, N]` in expert order,
-    keeping the permuted rows for the backward only if ``keep_rows`` (``SpreadGroupedMMFunction``); the loop
-    backend (the reference) composes the two differentiable ops."""
+    keeping the permuted rows for the backward only if ``keep_rows``, and x's gradient added into ``sink`` if x was
+    ``sinked`` with it (``SpreadGroupedMMFunction``); the loop backend (the reference) composes the two
+    differentiable ops (x's gradient through autograd)."""
     backend = resolve_backend(backend, x)
     if backend == "loop":
         return loop_grouped_mm(permute(x, plan, backend), w, plan.offs)
-    return SpreadGroupedMMFunction.apply(x, w, plan.offs, plan.token, plan.pos, plan.top_k, backend, keep_rows)
+    return SpreadGroupedMMFunction.apply(x, w, plan.offs, plan.token, plan.pos, plan.top_k, backend, keep_rows, sink)
 
 
 def permute(x: torch.Tensor, plan: RoutingPlan, backend: str = "auto") -> torch.Tensor:

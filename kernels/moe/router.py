@@ -43,7 +43,13 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
 
 def _route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, gate_scale: float) -> Routing:
     """Unchecked `route` (the layer validates its configuration once, at construction)."""
-    scores = torch.sigmoid(F.linear(x, weight).float())
+    return route_logits(F.linear(x, weight), bias, top_k, gate_scale)
+
+
+def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, gate_scale: float) -> Routing:
+    """Unchecked `route` from the router's logits `x Wᵀ` `[T, E]` (the layer gets them from one GEMM with the shared
+    expert's up projection)."""
+    scores = torch.sigmoid(logits.float())
     biased, chosen = biased_topk(scores.detach(), bias, top_k + 1)
     expert_idx = chosen[:, :top_k]
     picked = scores.gather(1, expert_idx)

@@ -141,6 +141,21 @@ def test_layer_saves_no_row_per_slot_of_width_d(backend: str) -> None:
     assert shapes.count((t * k, d)) == 1, shapes  # asked to: the routed rows, once, for w13's gradient
 
 
+@pytest.mark.parametrize("backend", ["triton", TORCH_FP32])
+def test_input_gradient_is_summed_in_place(backend: str) -> None:
+    """The input's three consumers (the router and shared expert's joint GEMM, the routed experts' gather) sum its
+    gradient in one buffer (``kernels.grad_sink``): the backward runs no `[T, d]` add, where autograd ran two."""
+    t, d = 40, 32
+    layer = MoELayer(d, 16, 6, 2, n_shared=1, backend=backend).to(DEVICE)
+    x = torch.randn(t, d, device=DEVICE, requires_grad=True)
+    out = layer(x * 1.0)  # a non-leaf input, as in the model
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out.sum().backward()
+    adds = [e.name for e in prof.events()
+            if e.name in ("aten::add", "aten::add_") and any(list(shape) == [t, d] for shape in e.input_shapes)]
+    assert adds == [] and x.grad is not None and x.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("keep_routed_rows", [False, True])
 @pytest.mark.parametrize("backend", ["triton", TORCH_FP32, "loop"])
 def test_layer_matches_naive_fp32(backend: str, keep_routed_rows: bool) -> None:

@@ -167,8 +167,9 @@ def _opaque_kda(q, k, v, z, beta, **kwargs):  # noqa: ANN001, ANN202 - chunk_kda
     return _OpaqueKDA.apply(q, k, v, z, beta.to(q.dtype)), None
 
 
-def _opaque_experts(tokens, w13, w2, plan, row_gates, backend):  # noqa: ANN001, ANN202 - moe_experts' signature
-    """One row per (token, slot), times its gate (so the router's backward runs as on the GPU)."""
+def _opaque_experts(tokens, w13, w2, plan, row_gates, backend, keep_rows=False, sink=None):  # noqa: ANN001, ANN202, ARG001 - moe_experts' signature
+    """One row per (token, slot), times its gate (so the router's backward runs as on the GPU); the tokens' gradient
+    through autograd, which the sink's node adds (the GPU's gather-sum adds it in place)."""
     return tokens.repeat_interleave(plan.top_k, dim=0) * row_gates[:, None].to(tokens.dtype)
 
 
