@@ -7,10 +7,10 @@ Here the forward reads each source once (online softmax over the sources of a ro
 registers) and writes the sublayer's input and the logits ``s_i = r_i x_i·w`` float32 ``[T, n]``. The backward
 rebuilds the weights from the logits (a softmax over n per row) and each ``x_i·w`` as ``s_i / r_i`` for the inv_rms
 gradients: N fewer cross-warp reductions per row tile than recomputing the dots (2026-12-05; the weights were saved
-before, and the backward took 2N+3 reductions). It reads the sources twice (to rebuild the mixture for the norm's
-gradient, then for the weights' gradients) and writes every source's gradient once: the pseudo-query's gradient
-``Σ_i ds_i r_i x_i`` is split as ``P − c·Q`` over per-row sums that exist before ``ds`` does, so no third read is
-needed. Taking the norm's gradient from its saved output instead (``x̂ = y / g`` and a saved 1/rms, as Apex's
+before, and the backward took 2N+3 reductions). It reads each source once, keeping its row tile in registers
+(until 2026-12-07 it read them twice: to rebuild the mixture for the norm's gradient, then for the weights'
+gradients), and writes every source's gradient once: the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as
+``P − c·Q`` over per-row sums that exist before ``ds`` does, so no second pass over the sources is needed. Taking the norm's gradient from its saved output instead (``x̂ = y / g`` and a saved 1/rms, as Apex's
 memory-efficient norms do: one read of y for N of the sources) was slower on the H100 (2026-12-06, 65,536 × 1,024,
 5 sources: forward + backward 1.865 against 1.418 ms with the norm; the 8k stage 11.73–12.02 against 10.72–10.87 s a
 step). ptxas gave it 241 registers against 167, its 128-register config spilled 304 B
@@ -137,18 +137,19 @@ def rms_norm_bwd(b_dy, b_h, b_g, eps, D: tl.constexpr):
 @autotune(BWD_SPACE, key=TUNING_KEY, pre_hook=_snapshot_sums.before,
           post_hook=_snapshot_sums.after)
 @triton.jit(do_not_specialize=["acc"])
-def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
+def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
                         NP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
                         ROWS: tl.constexpr, BT: tl.constexpr):
     """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
     pseudo-query's gradient (dw) and of the norm weight's (dg). Source i's gradient is added into ``dsrcs[i]`` when
     bit i of ``acc`` is set, written over it otherwise. ``acc`` is a runtime bit mask, not a constant: as a constant
     a source count compiled this unrolled kernel once per mask, which in block AttnRes is twice (with and without
-    the open block among the sources: 17 compiles for ``small``'s mixtures instead of 9). ``dots`` ``[T, N]``:
-    scratch for each row's ``dm·x_i``, written by the first loop over the sources and read back by the second. Not
-    ``drms`` itself: the second loop overwrites ``drms[i]`` right after reading it, and a warp that got there first
-    overwrote what a slower warp of the block had still to read (2026-12-05, H100: the last source's gradient 15%
-    off without the norm)."""
+    the open block among the sources: 17 compiles for ``small``'s mixtures instead of 9).
+
+    Each source's row tile is read once and kept (bf16, a tuple of N tiles: 2 registers a thread each at BT 1 with
+    8 warps) for the mixture the norm's gradient needs, the dots ``dm·x_i`` and the pseudo-query's sums; so are the
+    dots, for the logits' gradients. Before 2026-12-07 the sources were read twice (once for the mixture, once for
+    the rest) and the dots went through a ``[T, N]`` scratch with a barrier."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -160,6 +161,10 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, 
         o_t = i_p.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
         m = m_t[:, None] & m_d[None, :]
+        b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+        xs = ()
+        for i in tl.static_range(N):
+            xs = xs + (tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.),)
         # The softmax again, as each row's max and normaliser (rows past T get uniform weights: finite).
         b_max = tl.full([BT], float("-inf"), tl.float32)
         for i in tl.static_range(N):
@@ -167,32 +172,30 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dots, dy, dsrcs, drms, dw, dg, 
         b_z = tl.zeros([BT], dtype=tl.float32)
         for i in tl.static_range(N):
             b_z += tl.exp(tl.load(logits + o_t * N + i, mask=m_t, other=0.) - b_max)
-        b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
         if NORM:  # the mixture again, for the norm's gradient
             b_mix = tl.zeros([BT, BD], dtype=tl.float32)
             for i in tl.static_range(N):
-                b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-                b_mix += softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)[:, None] * b_x
+                b_mix += softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)[:, None] * xs[i].to(tl.float32)
             b_dm, dg_rows = rms_norm_bwd(b_dm, b_mix, b_g, eps, D)
             b_dg += dg_rows
         b_c = tl.zeros([BT], dtype=tl.float32)       # Σ_i a_i da_i
         b_pw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i da_i x_i
         b_qw = tl.zeros([BT, BD], dtype=tl.float32)  # Σ_i a_i r_i x_i
+        das = ()
         for i in tl.static_range(N):
-            b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+            b_x = xs[i].to(tl.float32)
             b_ar = softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)
             da_i = tl.sum(b_dm * b_x, 1)   # dm · x_i
-            tl.store(dots + o_t * N + i, da_i, mask=m_t)
+            das = das + (da_i,)
             b_c += b_ar * da_i
             b_ar = b_ar * tl.load(rms[i] + o_t, mask=m_t, other=0.)
             b_pw += (b_ar * da_i)[:, None] * b_x
             b_qw += b_ar[:, None] * b_x
         b_dw += tl.sum(b_pw - b_c[:, None] * b_qw, 0)
-        tl.debug_barrier()  # the da_i just stored are read back below, maybe by other threads of the block
         for i in tl.static_range(N):
             b_a = softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)
             b_r = tl.load(rms[i] + o_t, mask=m_t, other=0.)
-            ds_i = b_a * (tl.load(dots + o_t * N + i, mask=m_t, other=0.) - b_c)   # the logit's gradient
+            ds_i = b_a * (das[i] - b_c)   # the logit's gradient
             b_dx = b_a[:, None] * b_dm + (ds_i * b_r)[:, None] * b_w[None, :]
             if (acc >> i) & 1:
                 b_dx += tl.load(dsrcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
@@ -249,8 +252,8 @@ class AttnResMix(torch.autograd.Function):
         dw = torch.empty(programs, D, dtype=torch.float32, device=dy.device)
         dg = torch.empty_like(dw) if weight is not None else dw
         attn_res_bwd_kernel[(programs,)](
-            sources, rms, query, weight if weight is not None else query, logits, torch.empty_like(logits),
-            dy.contiguous(), tuple(dsrcs), drms, dw, dg, T, ctx.eps, accumulate, ROWS=BWD_ROWS, **ctx.meta)
+            sources, rms, query, weight if weight is not None else query, logits, dy.contiguous(), tuple(dsrcs), drms,
+            dw, dg, T, ctx.eps, accumulate, ROWS=BWD_ROWS, **ctx.meta)
         dweight = dg.sum(0).to(weight.dtype) if weight is not None else None
         dsources = [None if sink is not None else d for d, sink in zip(dsrcs, ctx.sinks)]
         return (dw.sum(0).to(query.dtype), dweight, None, None, *dsources, *drms)
