@@ -67,7 +67,8 @@ def test_sliced_forward_is_observed_once(outer_checkpoint: bool) -> None:
     assert stats.tokens_per_expert.sum().item() == TOKENS * 2
     assert torch.equal(stats.tokens_per_expert, ref.tokens_per_expert)
     assert torch.equal(sliced.last_load, stats.tokens_per_expert)
-    assert torch.equal(sliced.balancer.bias, whole.balancer.bias)
+    # The unsliced layer takes the router's logits from one GEMM with the shared expert's input: fp32 rounding apart.
+    torch.testing.assert_close(sliced.balancer.bias, whole.balancer.bias, rtol=1e-6, atol=1e-7)
 
 
 def test_slice_tokens_must_be_positive() -> None:
