@@ -55,7 +55,10 @@ BWD_ROWS = 64
 # and 128 registers, no spills). The backward at 2 warps spilled 420 B: not added.
 FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4), ({"BT": 1}, 2),
              ({"BT": 2}, 2)]
-BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 8, 128), ({"BT": 1}, 4)]
+# Since the backward loads a row's N sources, logits, inv_rms and the sums it adds into before its first store
+# (2026-12-07), ptxas gives it 128 registers at BT 1 with 8 warps for 5 sources, 232 for 9; 16 warps at 128 (84 B
+# spilled at 9 sources) joined the space.
+BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 8, 128), ({"BT": 1}, 4), ({"BT": 1}, 16)]
 # Tuned per power-of-two class of the source count (NP), not per count: ``small``'s 41 mixtures take 1 to 9 sources,
 # and each count tuned afresh compiled and timed every config of both kernels for it: 10 keys, 90 compiles (the 8k
 # stage's first step took 279 s on 2026-12-04, 84 s more than with the compiled PyTorch mixture). Six classes; the
@@ -85,13 +88,6 @@ _snapshot_sums = _SumsSnapshot()
 
 
 @triton.jit
-def softmax_weight(logits, o_t, m_t, i, b_max, b_z, N: tl.constexpr):
-    """Source i's softmax weight for rows o_t, [BT], from its logits column (an L1 hit after the first read) and the
-    rows' max and normaliser: no reduction over the sources' axis."""
-    return tl.exp(tl.load(logits + o_t * N + i, mask=m_t, other=0.) - b_max) / b_z
-
-
-@triton.jit
 def rms_norm(b_h, b_g, eps, D: tl.constexpr):
     """``RMSNorm(h) · g`` of rows ``b_h`` [BT, BD] (float32, zero past column D)."""
     return b_h * tl.rsqrt(tl.sum(b_h * b_h, 1) / D + eps)[:, None] * b_g[None, :]
@@ -110,15 +106,18 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
     b_max = tl.full([BT], float("-inf"), tl.float32)
     b_sum = tl.zeros([BT], dtype=tl.float32)
     b_acc = tl.zeros([BT, BD], dtype=tl.float32)
+    ss = ()  # the logits, stored after the loop: no store between the sources' loads (see the backward)
     for i in tl.static_range(N):
         b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
         s_i = tl.sum(b_x * b_w[None, :], 1) * tl.load(rms[i] + o_t, mask=m_t, other=0.)
-        tl.store(logits + o_t * N + i, s_i, mask=m_t)
+        ss = ss + (s_i,)
         new_max = tl.maximum(b_max, s_i)
         scale, p = tl.exp(b_max - new_max), tl.exp(s_i - new_max)
         b_acc = b_acc * scale[:, None] + p[:, None] * b_x
         b_sum = b_sum * scale + p
         b_max = new_max
+    for i in tl.static_range(N):
+        tl.store(logits + o_t * N + i, ss[i], mask=m_t)
     b_mix = b_acc / b_sum[:, None]
     if NORM:
         b_mix = rms_norm(b_mix, tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32), eps, D)
@@ -148,8 +147,9 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
 
     Each source's row tile is read once and kept (bf16, a tuple of N tiles: 2 registers a thread each at BT 1 with
     8 warps) for the mixture the norm's gradient needs, the dots ``dm·x_i`` and the pseudo-query's sums; so are the
-    dots, for the logits' gradients. Before 2026-12-07 the sources were read twice (once for the mixture, once for
-    the rest) and the dots went through a ``[T, N]`` scratch with a barrier."""
+    dots, for the logits' gradients, and the sums added into, loaded with the rest before the first store. Before
+    2026-12-07 the sources were read twice (once for the mixture, once for the rest), the dots went through a
+    ``[T, N]`` scratch with a barrier, and each sum was loaded after the previous source's gradient was stored."""
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -161,21 +161,27 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
         o_t = i_p.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
         m = m_t[:, None] & m_d[None, :]
+        # Every load of the row tile first, as tuples: a load after a store to another pointer cannot be moved above
+        # it (they might alias), so loads between stores wait for each other, one memory latency per source.
         b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-        xs = ()
+        xs, ss, rs, sums = (), (), (), ()
         for i in tl.static_range(N):
-            xs = xs + (tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.),)
-        # The softmax again, as each row's max and normaliser (rows past T get uniform weights: finite).
+            ptrs = o_t[:, None] * D + o_d[None, :]
+            xs = xs + (tl.load(srcs[i] + ptrs, mask=m, other=0.),)
+            ss = ss + (tl.load(logits + o_t * N + i, mask=m_t, other=0.),)
+            rs = rs + (tl.load(rms[i] + o_t, mask=m_t, other=0.),)
+            sums = sums + (tl.load(dsrcs[i] + ptrs, mask=m & ((acc >> i) & 1 == 1), other=0.),)
+        # The softmax again from the logits (rows past T get uniform weights: finite).
         b_max = tl.full([BT], float("-inf"), tl.float32)
         for i in tl.static_range(N):
-            b_max = tl.maximum(b_max, tl.load(logits + o_t * N + i, mask=m_t, other=0.))
+            b_max = tl.maximum(b_max, ss[i])
         b_z = tl.zeros([BT], dtype=tl.float32)
         for i in tl.static_range(N):
-            b_z += tl.exp(tl.load(logits + o_t * N + i, mask=m_t, other=0.) - b_max)
+            b_z += tl.exp(ss[i] - b_max)
         if NORM:  # the mixture again, for the norm's gradient
             b_mix = tl.zeros([BT, BD], dtype=tl.float32)
             for i in tl.static_range(N):
-                b_mix += softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)[:, None] * xs[i].to(tl.float32)
+                b_mix += (tl.exp(ss[i] - b_max) / b_z)[:, None] * xs[i].to(tl.float32)
             b_dm, dg_rows = rms_norm_bwd(b_dm, b_mix, b_g, eps, D)
             b_dg += dg_rows
         b_c = tl.zeros([BT], dtype=tl.float32)       # Σ_i a_i da_i
@@ -184,24 +190,21 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
         das = ()
         for i in tl.static_range(N):
             b_x = xs[i].to(tl.float32)
-            b_ar = softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)
+            b_a = tl.exp(ss[i] - b_max) / b_z
             da_i = tl.sum(b_dm * b_x, 1)   # dm · x_i
             das = das + (da_i,)
-            b_c += b_ar * da_i
-            b_ar = b_ar * tl.load(rms[i] + o_t, mask=m_t, other=0.)
+            b_c += b_a * da_i
+            b_ar = b_a * rs[i]
             b_pw += (b_ar * da_i)[:, None] * b_x
             b_qw += b_ar[:, None] * b_x
         b_dw += tl.sum(b_pw - b_c[:, None] * b_qw, 0)
         for i in tl.static_range(N):
-            b_a = softmax_weight(logits, o_t, m_t, i, b_max, b_z, N)
-            b_r = tl.load(rms[i] + o_t, mask=m_t, other=0.)
+            b_a = tl.exp(ss[i] - b_max) / b_z
             ds_i = b_a * (das[i] - b_c)   # the logit's gradient
-            b_dx = b_a[:, None] * b_dm + (ds_i * b_r)[:, None] * b_w[None, :]
-            if (acc >> i) & 1:
-                b_dx += tl.load(dsrcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+            b_dx = b_a[:, None] * b_dm + (ds_i * rs[i])[:, None] * b_w[None, :] + sums[i].to(tl.float32)
             tl.store(dsrcs[i] + o_t[:, None] * D + o_d[None, :], b_dx.to(dsrcs[i].dtype.element_ty), mask=m)
             # inv_rms's gradient: ds_i · x_i·w, with x_i·w = s_i / r_i from the saved logit
-            tl.store(drms[i] + o_t, ds_i * tl.load(logits + o_t * N + i, mask=m_t, other=0.) / b_r, mask=m_t)
+            tl.store(drms[i] + o_t, ds_i * ss[i] / rs[i], mask=m_t)
     tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
     if NORM:
         tl.store(dg + i_p * D + o_d, b_dg, mask=m_d)
