@@ -66,20 +66,33 @@ def jit_function(kernel: triton.runtime.Autotuner | JITFunction) -> JITFunction:
 def compile_for_hopper(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, config: triton.Config,
                        stages: int = 3, divisible: tuple[str, ...] = ()) -> Any:
     """The kernel compiled for sm_90 with the config's meta-parameters; ``divisible``: the arguments a launch would
-    find divisible by 16 (Triton specialises on that: pointers 16-byte aligned, integers multiples of 16)."""
+    find divisible by 16 (Triton specialises on that: pointers 16-byte aligned, integers multiples of 16), each
+    pointer of a tuple argument too."""
     fn = jit_function(kernel)
     constants = constants | config.kwargs
     cap = {"maxnreg": config.maxnreg} if getattr(config, "maxnreg", None) else {}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    attrs = {}
+    for name in divisible:
+        index = fn.arg_names.index(name)
+        paths = [(index, j) for j in range(constants["N"])] if name in TUPLE_ARGS else [(index,)]
+        attrs |= {path: [["tt.divisibility", 16]] for path in paths}
     return triton.compile(ASTSource(fn, signature(fn, constants), constants, attrs), target=HOPPER,
                           options=dict(num_warps=config.num_warps, num_stages=stages, **cap))
 
 
+def pointer_args(fn: JITFunction, constants: dict) -> tuple[str, ...]:
+    """The arguments that are pointers (tuples of them included) in a launch with these constants."""
+    kinds = signature(fn, constants)
+    return tuple(name for name, kind in kinds.items()
+                 if (kind[0] if isinstance(kind, tuple) else kind).startswith("*"))
+
+
 def report(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, config: triton.Config, stages: int) -> str:
-    """One line: the kernel, its config and what ptxas says of it."""
+    """One line: the kernel, its config and what ptxas says of it, every pointer 16-byte aligned (as PyTorch's
+    allocations are; Triton specialises on it at launch, and vectorises loads only then)."""
     fn = jit_function(kernel)
     cap = {"maxnreg": config.maxnreg} if getattr(config, "maxnreg", None) else {}
-    compiled = compile_for_hopper(kernel, constants, config, stages)
+    compiled = compile_for_hopper(kernel, constants, config, stages, pointer_args(fn, constants | config.kwargs))
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
         with open(ptx, "w") as f:
