@@ -106,10 +106,15 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
     b_max = tl.full([BT], float("-inf"), tl.float32)
     b_sum = tl.zeros([BT], dtype=tl.float32)
     b_acc = tl.zeros([BT, BD], dtype=tl.float32)
-    ss = ()  # the logits, stored after the loop: no store between the sources' loads (see the backward)
+    # Every source's rows loaded before the first reduction: a load after a reduction's barrier waits for it, one
+    # memory latency per source (see the backward); the logits are stored after the loop.
+    xs, rs, ss = (), (), ()
     for i in tl.static_range(N):
-        b_x = tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
-        s_i = tl.sum(b_x * b_w[None, :], 1) * tl.load(rms[i] + o_t, mask=m_t, other=0.)
+        xs = xs + (tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.),)
+        rs = rs + (tl.load(rms[i] + o_t, mask=m_t, other=0.),)
+    for i in tl.static_range(N):
+        b_x = xs[i].to(tl.float32)
+        s_i = tl.sum(b_x * b_w[None, :], 1) * rs[i]
         ss = ss + (s_i,)
         new_max = tl.maximum(b_max, s_i)
         scale, p = tl.exp(b_max - new_max), tl.exp(s_i - new_max)
