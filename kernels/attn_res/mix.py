@@ -10,7 +10,8 @@ gradients: N fewer cross-warp reductions per row tile than recomputing the dots 
 before, and the backward took 2N+3 reductions). It reads each source once, keeping its row tile in registers
 (until 2026-12-07 it read them twice: to rebuild the mixture for the norm's gradient, then for the weights'
 gradients), and writes every source's gradient once: the pseudo-query's gradient ``Σ_i ds_i r_i x_i`` is split as
-``P − c·Q`` over per-row sums that exist before ``ds`` does, so no second pass over the sources is needed. Taking the norm's gradient from its saved output instead (``x̂ = y / g`` and a saved 1/rms, as Apex's
+``P − c·Q`` over per-row sums that exist before ``ds`` does, so no second pass over the sources is needed. Taking
+the norm's gradient from its saved output instead (``x̂ = y / g`` and a saved 1/rms, as Apex's
 memory-efficient norms do: one read of y for N of the sources) was slower on the H100 (2026-12-06, 65,536 × 1,024,
 5 sources: forward + backward 1.865 against 1.418 ms with the norm; the 8k stage 11.73–12.02 against 10.72–10.87 s a
 step). ptxas gave it 241 registers against 167, its 128-register config spilled 304 B
@@ -168,14 +169,14 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
         m = m_t[:, None] & m_d[None, :]
         # Every load of the row tile first, as tuples: a load after a store to another pointer cannot be moved above
         # it (they might alias), so loads between stores wait for each other, one memory latency per source.
-        b_dm = tl.load(dy + o_t[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+        rows = o_t[:, None] * D + o_d[None, :]
+        b_dm = tl.load(dy + rows, mask=m, other=0.).to(tl.float32)
         xs, ss, rs, sums = (), (), (), ()
         for i in tl.static_range(N):
-            ptrs = o_t[:, None] * D + o_d[None, :]
-            xs = xs + (tl.load(srcs[i] + ptrs, mask=m, other=0.),)
+            xs = xs + (tl.load(srcs[i] + rows, mask=m, other=0.),)
             ss = ss + (tl.load(logits + o_t * N + i, mask=m_t, other=0.),)
             rs = rs + (tl.load(rms[i] + o_t, mask=m_t, other=0.),)
-            sums = sums + (tl.load(dsrcs[i] + ptrs, mask=m & ((acc >> i) & 1 == 1), other=0.),)
+            sums = sums + (tl.load(dsrcs[i] + rows, mask=m & ((acc >> i) & 1 == 1), other=0.),)
         # The softmax again from the logits (rows past T get uniform weights: finite).
         b_max = tl.full([BT], float("-inf"), tl.float32)
         for i in tl.static_range(N):
@@ -183,10 +184,13 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
         b_z = tl.zeros([BT], dtype=tl.float32)
         for i in tl.static_range(N):
             b_z += tl.exp(ss[i] - b_max)
+        weights = ()
+        for i in tl.static_range(N):
+            weights = weights + (tl.exp(ss[i] - b_max) / b_z,)
         if NORM:  # the mixture again, for the norm's gradient
             b_mix = tl.zeros([BT, BD], dtype=tl.float32)
             for i in tl.static_range(N):
-                b_mix += (tl.exp(ss[i] - b_max) / b_z)[:, None] * xs[i].to(tl.float32)
+                b_mix += weights[i][:, None] * xs[i].to(tl.float32)
             b_dm, dg_rows = rms_norm_bwd(b_dm, b_mix, b_g, eps, D)
             b_dg += dg_rows
         b_c = tl.zeros([BT], dtype=tl.float32)       # Σ_i a_i da_i
@@ -195,19 +199,17 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
         das = ()
         for i in tl.static_range(N):
             b_x = xs[i].to(tl.float32)
-            b_a = tl.exp(ss[i] - b_max) / b_z
             da_i = tl.sum(b_dm * b_x, 1)   # dm · x_i
             das = das + (da_i,)
-            b_c += b_a * da_i
-            b_ar = b_a * rs[i]
+            b_c += weights[i] * da_i
+            b_ar = weights[i] * rs[i]
             b_pw += (b_ar * da_i)[:, None] * b_x
             b_qw += b_ar[:, None] * b_x
         b_dw += tl.sum(b_pw - b_c[:, None] * b_qw, 0)
         for i in tl.static_range(N):
-            b_a = tl.exp(ss[i] - b_max) / b_z
-            ds_i = b_a * (das[i] - b_c)   # the logit's gradient
-            b_dx = b_a[:, None] * b_dm + (ds_i * rs[i])[:, None] * b_w[None, :] + sums[i].to(tl.float32)
-            tl.store(dsrcs[i] + o_t[:, None] * D + o_d[None, :], b_dx.to(dsrcs[i].dtype.element_ty), mask=m)
+            ds_i = weights[i] * (das[i] - b_c)   # the logit's gradient
+            b_dx = weights[i][:, None] * b_dm + (ds_i * rs[i])[:, None] * b_w[None, :] + sums[i].to(tl.float32)
+            tl.store(dsrcs[i] + rows, b_dx.to(dsrcs[i].dtype.element_ty), mask=m)
             # inv_rms's gradient: ds_i · x_i·w, with x_i·w = s_i / r_i from the saved logit
             tl.store(drms[i] + o_t, ds_i * ss[i] / rs[i], mask=m_t)
     tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)

@@ -132,10 +132,10 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, self.d_model)
         size = self.slice_tokens
         whole = size is None or tokens.shape[0] <= size
-        sink = GradSink() if whole and tokens.requires_grad and torch.is_grad_enabled() else None
-        shared_in = None
+        sink = shared_in = None
         if whole:  # the router's logits and the shared expert's input from one GEMM
-            if sink is not None:
+            if tokens.requires_grad and torch.is_grad_enabled():
+                sink = GradSink()
                 tokens = sinked(tokens, sink)
             weight = self.router if self.shared13 is None else torch.cat([self.router, self.shared13.t()])
             joint = F.linear(tokens, weight) if sink is None else sinked_linear(tokens, weight, sink)
