@@ -36,7 +36,7 @@ FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
 SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "x_rows": "i32",
-               "stride_dx": "i32", "M": "i32", "F_DIM": "i32", "acc": "i32"}
+               "dx_rows": "i32", "M": "i32", "F_DIM": "i32", "acc": "i32"}
 TUPLE_ARGS = {"srcs": "*bf16", "dsrcs": "*bf16", "rms": "*fp32", "drms": "*fp32"}  # N pointers each
 
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                 for kernel, space, constants in [(conv.short_conv_fwd_kernel, conv.FWD_SPACE, dict(W=4, X_ALIGN=8)),
                                                  (conv.short_conv_bwd_da_kernel, conv.DA_SPACE,
                                                   dict(W=4, WP=4, ROWS=conv.BWD_ROWS, X_ALIGN=8)),
-                                                 (conv.short_conv_bwd_dx_kernel, conv.FWD_SPACE, dict(W=4))]
+                                                 (conv.short_conv_bwd_dx_kernel, conv.FWD_SPACE, dict(W=4, DX_ALIGN=8))]
                 for entry in space]
     # The AttnRes mixture of ``small`` (d = 1024) over 9 sources, the most a sublayer mixes, with the norm; the
     # backward adding into the 8 finished blocks' gradients.

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.grad_sink import ColumnSink
 from kernels.tuning import autotune
 from kernels.short_conv.naive import naive_short_conv_silu
 
@@ -113,10 +114,12 @@ def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, x_rows, W: tl.constexp
 
 @autotune(FWD_SPACE, key=["C", "W"])
 @triton.jit
-def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, stride_dx, W: tl.constexpr, BT: tl.constexpr,
-                             BC: tl.constexpr):
+def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, dx_rows, W: tl.constexpr, BT: tl.constexpr,
+                             BC: tl.constexpr, DX_ALIGN: tl.constexpr):
     """dx[t] = Σ_j w[:, j] da[t + j] over the rows t + j whose tap j stays inside their document (pos ≥ j); dx's
-    rows ``stride_dx`` apart (a group's columns of the whole input's gradient)."""
+    rows ``dx_rows * DX_ALIGN`` apart (a group's columns of the whole input's gradient, or of a joint projection's
+    output gradient: see ``row_alignment`` for the split stride)."""
+    stride_dx = dx_rows * DX_ALIGN
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_t, m_c = o_t < T, o_c < C
@@ -145,11 +148,12 @@ def row_alignment(x: torch.Tensor) -> int:
 
 class ShortConvSiLU(torch.autograd.Function):
     """Saves x (a view: no copy), the weight and the positions; the backward recomputes the pre-activation. Each
-    group of channels is its own launch of each kernel, on column slices of x, the weight and dx."""
+    group of channels is its own launch of each kernel, on column slices of x, the weight and dx. With ``grad_into``
+    (a ``ColumnSink`` and the column x starts at in it), dx is written into the sink's columns, not returned."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,  # noqa: ANN001
-                groups: int) -> tuple[torch.Tensor, ...]:
+                groups: int, grad_into: tuple[ColumnSink, int] | None) -> tuple[torch.Tensor, ...]:
         T, CG = x.shape[0], x.shape[1] // groups
         align = row_alignment(x)
         ys = tuple(torch.empty(T, CG, dtype=x.dtype, device=x.device) for _ in range(groups))
@@ -158,16 +162,22 @@ class ShortConvSiLU(torch.autograd.Function):
             short_conv_fwd_kernel[grid](x[:, g * CG:], weight[g * CG:], positions, y, T, CG, x.stride(0) // align,
                                         W=weight.shape[1], X_ALIGN=align)
         ctx.save_for_backward(x, weight, positions)
+        ctx.grad_into = grad_into
         return ys
 
     @staticmethod
-    def backward(ctx, *dys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:  # noqa: ANN001
+    def backward(ctx, *dys: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, None, None]:  # noqa: ANN001
         x, weight, positions = ctx.saved_tensors
         (T, C), W = x.shape, weight.shape[1]
         CG = C // len(dys)
         align = row_alignment(x)
         n_programs = triton.cdiv(T, BWD_ROWS)
-        dx = torch.empty(T, C, dtype=x.dtype, device=x.device)
+        if ctx.grad_into is None:
+            dx = torch.empty(T, C, dtype=x.dtype, device=x.device)
+        else:
+            sink, start = ctx.grad_into
+            dx = sink.columns(start, start + C, like=x)
+        dx_align = row_alignment(dx)
         dweight = torch.empty(C, W, dtype=torch.float32, device=x.device)
         # One group's at a time. da in dy's dtype: in bf16 its rounding is that of dy itself; the weight gradient
         # uses it in float32.
@@ -179,17 +189,19 @@ class ShortConvSiLU(torch.autograd.Function):
                 x[:, cols], weight[cols], positions, dy.contiguous(), da, dw, T, CG, x.stride(0) // align, W=W,
                 WP=triton.next_power_of_2(W), ROWS=BWD_ROWS, X_ALIGN=align)
             short_conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(CG, meta["BC"]))](
-                da, weight[cols], positions, dx[:, cols], T, CG, C, W=W)
+                da, weight[cols], positions, dx[:, cols], T, CG, dx.stride(0) // dx_align, W=W, DX_ALIGN=dx_align)
             torch.sum(dw, 0, out=dweight[cols])
-        return dx, dweight.to(weight.dtype), None, None
+        return (dx if ctx.grad_into is None else None), dweight.to(weight.dtype), None, None, None
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-                    groups: int = 1) -> tuple[torch.Tensor, ...]:
+                    groups: int = 1, grad_into: tuple[ColumnSink, int] | None = None) -> tuple[torch.Tensor, ...]:
     """``silu(Σ_j weight[:, j] · x_{t−j})`` for x ``[T, C]`` (rows any stride) and weight ``[C, width]``, where
     ``x_{t−j}`` is zero once it lies before token t's document (``positions[t] < j``, positions: the offset of each
     token in its document). Returns ``groups`` contiguous tensors ``[T, C // groups]`` (channel c in group
-    ``c // (C // groups)``) in x's dtype; float32 math.
+    ``c // (C // groups)``) in x's dtype; float32 math. ``grad_into``: x is the output of a
+    ``kernels.grad_sink.sinked_joint_linear`` from column ``start`` of ``sink``'s, and x's gradient goes there
+    (the kernels write it in place; the plain path returns it to autograd, which the sink then copies).
 
     Triton on CUDA (and on the CPU under ``TRITON_INTERPRET=1``), ``naive_short_conv_silu`` elsewhere."""
     if x.dim() != 2:
@@ -205,4 +217,4 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
         return naive_short_conv_silu(x, weight, positions, groups)
     if x.stride(1) != 1:
         x = x.contiguous()
-    return ShortConvSiLU.apply(x, weight.contiguous(), positions.contiguous(), groups)
+    return ShortConvSiLU.apply(x, weight.contiguous(), positions.contiguous(), groups, grad_into)

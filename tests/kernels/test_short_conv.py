@@ -82,7 +82,8 @@ def test_kernels_load_rows_of_a_16_byte_stride_in_vectors() -> None:
     """Compiled for sm_90 (its own process: the compiler, not the interpreter) as a launch on the joint projection's
     slice specialises them (pointers and the channel count divisible by 16, the row stride 4,232 not): x's tiles
     load as 16-byte vectors once the stride's alignment is a constexpr (2-byte loads while it was not known to
-    Triton, before 2026-12-06), one or more for each of the 4 taps."""
+    Triton, before 2026-12-06), one or more for each of the 4 taps; and the dx kernel stores its rows in vectors into
+    a gradient of that stride (a ``ColumnSink``'s)."""
     import os
     import subprocess
 
@@ -90,18 +91,72 @@ def test_kernels_load_rows_of_a_16_byte_stride_in_vectors() -> None:
 from kernels.ptxas_report import compile_for_hopper, jit_function
 from kernels.short_conv import conv
 from kernels.tuning import config
-for fn, constants in [(conv.short_conv_fwd_kernel, dict(W=4, BT=16, BC=128)),
-                      (conv.short_conv_bwd_da_kernel, dict(W=4, WP=4, ROWS=512, BT=16, BC=64))]:
+for fn, constants, align, op in [(conv.short_conv_fwd_kernel, dict(W=4, BT=16, BC=128), "X_ALIGN", "ld"),
+                                 (conv.short_conv_bwd_da_kernel, dict(W=4, WP=4, ROWS=512, BT=16, BC=64), "X_ALIGN",
+                                  "ld"),
+                                 (conv.short_conv_bwd_dx_kernel, dict(W=4, BT=16, BC=128), "DX_ALIGN", "st")]:
     names = jit_function(fn).arg_names
-    divisible = tuple(n for n in ("x", "w", "pos", "y", "dy", "da", "dw", "C") if n in names)
-    print(*(compile_for_hopper(fn, constants | dict(X_ALIGN=a), config({}, 4), divisible=divisible).asm["ptx"]
-            .count("ld.global.v4") for a in (1, 8)))
+    divisible = tuple(n for n in ("x", "w", "pos", "y", "dy", "da", "dw", "dx", "C") if n in names)
+    print(*(compile_for_hopper(fn, constants | {align: a}, config({}, 4), divisible=divisible).asm["ptx"]
+            .count(f"{op}.global.v4") for a in (1, 8)))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          check=True).stdout
     counts = [tuple(map(int, line.split())) for line in out.splitlines()]
-    assert len(counts) == 2 and all(aligned >= unknown + 4 for unknown, aligned in counts), out
+    assert len(counts) == 3 and all(aligned >= unknown + 4 for unknown, aligned in counts[:2]), out
+    assert counts[2][1] > counts[2][0], out  # dx's rows stored in vectors into a joint projection's gradient
+
+
+def graph_nodes(roots: tuple[torch.Tensor, ...]) -> set[str]:
+    """Names of every autograd node behind ``roots``."""
+    seen, names, stack = set(), set(), [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(parent for parent, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("lengths, extra", [([100, 1, 155], 40), ([64, 33], 37)])
+def test_gradient_written_into_a_joint_projections_sink(lengths: list[int], extra: int) -> None:
+    """The KDA layer's layout: one joint projection whose first 3·C columns feed the grouped convolution and the
+    rest other consumers (one of them unused). With a ``ColumnSink`` the convolution's backward writes dx into the
+    projection's output gradient (row stride 3·C + extra: 8-element aligned, then an odd one), so autograd
+    concatenates nothing; every gradient matches the plain path's."""
+    from kernels.grad_sink import ColumnSink, sinked_joint_linear
+
+    fresh_seed()
+    T, C, d = sum(lengths), 32, 48
+    sizes = (3 * C, extra - 16, 16)
+    x0 = torch.randn(T, d, device=DEVICE)
+    w0 = torch.randn(sum(sizes), d, device=DEVICE) / d ** 0.5
+    conv_w0 = torch.randn(3 * C, 4, device=DEVICE) / 2
+    pos = positions_of(lengths)
+    dys = [torch.randn(T, C, device=DEVICE) for _ in range(3)]
+    d_rest = torch.randn(T, sizes[1], device=DEVICE)
+
+    def run(sink: ColumnSink | None) -> tuple[list[torch.Tensor], set[str]]:
+        x, w, conv_w = (t.detach().clone().requires_grad_() for t in (x0, w0, conv_w0))
+        if sink is None:
+            qkv, rest, _ = (x @ w.t()).split(sizes, dim=1)
+        else:
+            qkv, rest, _ = sinked_joint_linear(x, w, sizes, sink)
+        ys = short_conv_silu(qkv, conv_w, pos, groups=3, grad_into=None if sink is None else (sink, 0))
+        loss = sum((y * dy).sum() for y, dy in zip(ys, dys)) + (torch.tanh(rest) * d_rest).sum()
+        names = graph_nodes((loss,))
+        loss.backward()
+        return [x.grad, w.grad, conv_w.grad], names
+
+    want, plain_nodes = run(None)
+    got, sink_nodes = run(ColumnSink())
+    assert "SplitWithSizesBackward0" in plain_nodes and "SplitWithSizesBackward0" not in sink_nodes
+    errors = [rel_err(a, b) for a, b in zip(got, want)]
+    assert max(errors) <= 1e-5, errors
+    assert not got[1][sum(sizes[:2]):].any()  # the unused slice's weight rows: a zero gradient, not garbage
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs one config per kernel; a GPU tunes all")

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.grad_sink import ColumnSink
 from kernels.kda import chunk_kda
 from kernels.kda.segments import Segment, plan_segments, scan_segments
 from kernels.short_conv import short_conv_silu
@@ -117,12 +118,15 @@ class KDALayer(nn.Module):
         # The six projections of x as one GEMM; q, k, v (side by side in it) through their three short convolutions
         # in one kernel, which writes them as three tensors of their own: the KDA kernel keeps v for its backward
         # without keeping q and k (before their L2 norm, which nothing needs) alive.
+        # The convolutions' backward writes q, k and v's gradient straight into the projection's output gradient
+        # (a ColumnSink): autograd would concatenate the four slices' gradients, a copy of all 4,232 columns.
+        sink = ColumnSink()
         qkv, b, z_low, gate = joint_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.b_proj, self.g_down,
-                                           self.gate_proj)
+                                           self.gate_proj, sink=sink)
         convs = (self.q_conv, self.k_conv, self.v_conv)
         T = x.shape[0] - halo
         q, k, v = (past_halo(t, halo).view(1, T, H, K) for t in short_conv_silu(
-            qkv, torch.cat([conv.weight for conv in convs]), positions, groups=3))
+            qkv, torch.cat([conv.weight for conv in convs]), positions, groups=3, grad_into=(sink, 0)))
         beta = torch.sigmoid(past_halo(b, halo).float()).view(1, T, H)
         z = self.g_up(past_halo(z_low, halo)).view(1, T, H, K)
         o, ht = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=cu_seqlens, initial_state=h0,
