@@ -127,13 +127,16 @@ def main(argv: list[str] | None = None) -> None:
     ]
     configs = [(kernel, config(*entry), constants) for kernel, space, constants in kernels for entry in space
                if max(entry[0].values()) <= args.head_dim]
-    # The short convolution of the KDA layer (width 4), whatever the head dim.
-    configs += [(kernel, config(*entry), constants)
-                for kernel, space, constants in [(conv.short_conv_fwd_kernel, conv.FWD_SPACE, dict(W=4, X_ALIGN=8)),
-                                                 (conv.short_conv_bwd_da_kernel, conv.DA_SPACE,
-                                                  dict(W=4, WP=4, ROWS=conv.BWD_ROWS, X_ALIGN=8)),
-                                                 (conv.short_conv_bwd_dx_kernel, conv.FWD_SPACE, dict(W=4, DX_ALIGN=8))]
-                for entry in space]
+    # The short convolution of the KDA layer (width 4), whatever the head dim: without and with the head L2 norm (q
+    # and k), whose tiles hold whole heads.
+    for norm in (dict(NORM=False, HD=1), dict(NORM=True, HD=args.head_dim)):
+        configs += [(kernel, config(*entry), constants)
+                    for kernel, space, constants in [
+                        (conv.short_conv_fwd_kernel, conv.FWD_SPACE, dict(W=4, X_ALIGN=8) | norm),
+                        (conv.short_conv_bwd_da_kernel, conv.DA_SPACE, dict(W=4, WP=4, ROWS=conv.BWD_ROWS, X_ALIGN=8)
+                         | norm)]
+                    for entry in space if not norm["NORM"] or entry[0]["BC"] % args.head_dim == 0]
+    configs += [(conv.short_conv_bwd_dx_kernel, config(*entry), dict(W=4, DX_ALIGN=8)) for entry in conv.FWD_SPACE]
     # The AttnRes mixture of ``small`` (d = 1024) over 9 sources, the most a sublayer mixes, with the norm; the
     # backward adding into the 8 finished blocks' gradients.
     mixture = dict(N=9, NP=16, D=1024, BD=1024, NORM=True)

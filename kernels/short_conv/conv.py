@@ -14,6 +14,10 @@ gradients. As views of one ``[groups, T, C // groups]`` buffer (until 2026-12-05
 ``unbind``'s backward (a copy of all three), and the KDA layer copied v so that the KDA kernel's saved v would not
 keep q and k alive. One launch writing all three through a tuple of pointers cost the backward's first kernel its
 registers (a masked load per group in flight: 255 and spills, 220-240 before).
+
+The KDA layer L2-normalises q and k over each head after the SiLU: ``norm_groups`` does it in these kernels (the
+forward's tile holds whole heads; the backward's first kernel recomputes the norm with the pre-activation), instead
+of a kernel each way that read and wrote q and k again (``kernels.kda.l2norm``: 121 ms of an H100 step).
 """
 from __future__ import annotations
 
@@ -25,11 +29,13 @@ import triton
 import triton.language as tl
 
 from kernels.grad_sink import ColumnSink
+from kernels.kda.l2norm import EPS as L2_EPS
 from kernels.tuning import autotune
 from kernels.short_conv.naive import naive_short_conv_silu
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_WIDTH = 8
+MAX_HEAD_DIM = 128  # the head L2 norm's heads: the channel tile of each space's first entry
 # Rows per program of the backward's first kernel: its weight-gradient partial dw [C, W] float32 is one per program,
 # 1/64 of its da traffic at width 4.
 BWD_ROWS = 512
@@ -57,32 +63,60 @@ def conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.con
 # thread (the code changed little; ptxas's choice did): 16 × 128 now runs on 8 warps, and 8 × 256 replaces 16 × 256.
 # The smallest row blocks won every key the H200's tuning timed (2026-12-06, the autotuner's own timings at the 8k
 # stage: forward 8 × 256 at 4 warps 0.114 ms, dx 0.109, da 8 × 128 at 4 warps 0.256), so 4-row tiles joined (96 to
-# 121 registers, no spills).
+# 121 registers, no spills). The first entry of each space, the one the interpreter runs (Triton prunes nothing when
+# a space has one entry), holds whole heads of up to 128 channels for the head L2 norm; on a GPU ``whole_heads``
+# widens the narrower tiles.
 FWD_SPACE = [({"BT": 16, "BC": 128}, 4), ({"BT": 32, "BC": 64}, 4), ({"BT": 16, "BC": 256}, 8),
              ({"BT": 64, "BC": 64}, 8), ({"BT": 8, "BC": 256}, 4), ({"BT": 4, "BC": 512}, 4), ({"BT": 4, "BC": 256}, 2)]
-DA_SPACE = [({"BT": 16, "BC": 64}, 4), ({"BT": 16, "BC": 128}, 8), ({"BT": 8, "BC": 128}, 4),
+DA_SPACE = [({"BT": 8, "BC": 128}, 4), ({"BT": 16, "BC": 64}, 4), ({"BT": 16, "BC": 128}, 8),
             ({"BT": 8, "BC": 256}, 8), ({"BT": 4, "BC": 256}, 4), ({"BT": 4, "BC": 128}, 2)]
 
 
-@autotune(FWD_SPACE, key=["C", "W"])
+def whole_heads(space: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
+    """With NORM, channel blocks rounded up to whole heads of HD channels (early_config_prune hook)."""
+    if not kwargs.get("NORM"):
+        return space
+    hd, widened = kwargs["HD"], {}
+    for c in space:
+        meta = dict(c.kwargs, BC=triton.cdiv(c.kwargs["BC"], hd) * hd)
+        widened.setdefault((tuple(sorted(meta.items())), c.num_warps),
+                           triton.Config(meta, num_warps=c.num_warps, num_stages=c.num_stages))
+    return list(widened.values())
+
+
 @triton.jit
-def short_conv_fwd_kernel(x, w, pos, y, T, C, x_rows, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          X_ALIGN: tl.constexpr):
+def head_l2norm(y, eps, BT: tl.constexpr, BC: tl.constexpr, HD: tl.constexpr):
+    """y [BT, BC] split into heads of HD channels, and each head's row rsqrt(|y|² + eps) [BT, BC // HD]."""
+    y3 = tl.reshape(y, (BT, BC // HD, HD))
+    return y3, tl.rsqrt(tl.sum(y3 * y3, 2) + eps)
+
+
+@autotune(FWD_SPACE, key=["C", "W", "NORM"], prune_configs_by={"early_config_prune": whole_heads})
+@triton.jit
+def short_conv_fwd_kernel(x, w, pos, y, T, C, x_rows, eps, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                          X_ALIGN: tl.constexpr, NORM: tl.constexpr, HD: tl.constexpr):
+    """y = silu(pre-activation), divided by its L2 norm over each head of HD channels with NORM."""
     stride_x = x_rows * X_ALIGN
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_t, m_c = o_t < T, o_c < C
     acc, _ = conv_at(x, w, pos, o_t, m_t, o_c, m_c, stride_x, W, BT, BC)
-    tl.store(y + o_t[:, None] * C + o_c[None, :], (acc * tl.sigmoid(acc)).to(y.dtype.element_ty),
-             mask=m_t[:, None] & m_c[None, :])
+    b_y = acc * tl.sigmoid(acc)
+    if NORM:
+        y3, r = head_l2norm(b_y, eps, BT, BC, HD)
+        b_y = tl.reshape(y3 * r[:, :, None], (BT, BC))
+    tl.store(y + o_t[:, None] * C + o_c[None, :], b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
 
-@autotune(DA_SPACE, key=["C", "W"])
+@autotune(DA_SPACE, key=["C", "W", "NORM"], prune_configs_by={"early_config_prune": whole_heads})
 @triton.jit
-def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, x_rows, W: tl.constexpr, WP: tl.constexpr,
-                             ROWS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, X_ALIGN: tl.constexpr):
+def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, x_rows, eps, W: tl.constexpr, WP: tl.constexpr,
+                             ROWS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, X_ALIGN: tl.constexpr,
+                             NORM: tl.constexpr, HD: tl.constexpr):
     """da = dy · silu'(pre-activation) (the pre-activation recomputed, not stored) for the program's ROWS rows, and
-    their weight-gradient partial dw[program, c, i] = Σ_t da[t] x[t − i] over the taps inside t's document.
+    their weight-gradient partial dw[program, c, i] = Σ_t da[t] x[t − i] over the taps inside t's document. With
+    NORM, dy is the gradient of the head-normalised output n = s r (s the SiLU, r its head's rsqrt): it reaches s as
+    r (dy − n ⟨n, dy⟩), the norm recomputed here like the pre-activation.
 
     The taps are one [BT, WP, BC] load that gives both the pre-activation (a sum over taps) and, multiplied by da, the
     weight-gradient terms, summed elementwise over the row blocks and over rows once at the end. Reducing over rows
@@ -103,9 +137,15 @@ def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, x_rows, W: tl.constexp
         b_x = tl.load(x + o_s[:, :, None] * stride_x + o_c[None, None, :], mask=m_s[:, :, None] & m_c[None, None, :],
                       other=0.).to(tl.float32)
         acc = tl.sum(b_x * b_w[None, :, :], 1)
-        b_dy = tl.load(dy + o_t[:, None] * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.)
+        b_dy = tl.load(dy + o_t[:, None] * C + o_c[None, :], mask=m_t[:, None] & m_c[None, :],
+                       other=0.).to(tl.float32)
         sig = tl.sigmoid(acc)
-        b_da = b_dy.to(tl.float32) * sig * (1. + acc * (1. - sig))
+        if NORM:
+            s3, r = head_l2norm(acc * sig, eps, BT, BC, HD)
+            n3 = s3 * r[:, :, None]
+            dy3 = tl.reshape(b_dy, (BT, BC // HD, HD))
+            b_dy = tl.reshape((dy3 - n3 * tl.sum(n3 * dy3, 2)[:, :, None]) * r[:, :, None], (BT, BC))
+        b_da = b_dy * sig * (1. + acc * (1. - sig))
         tl.store(da + o_t[:, None] * C + o_c[None, :], b_da.to(da.dtype.element_ty),
                  mask=m_t[:, None] & m_c[None, :])
         b_terms += b_da[:, None, :] * b_x
@@ -149,24 +189,26 @@ def row_alignment(x: torch.Tensor) -> int:
 class ShortConvSiLU(torch.autograd.Function):
     """Saves x (a view: no copy), the weight and the positions; the backward recomputes the pre-activation. Each
     group of channels is its own launch of each kernel, on column slices of x, the weight and dx. With ``grad_into``
-    (a ``ColumnSink`` and the column x starts at in it), dx is written into the sink's columns, not returned."""
+    (a ``ColumnSink`` and the column x starts at in it), dx is written into the sink's columns, not returned. The
+    first ``norm[0]`` groups are L2-normalised over heads of ``norm[1]`` channels."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,  # noqa: ANN001
-                groups: int, grad_into: tuple[ColumnSink, int] | None) -> tuple[torch.Tensor, ...]:
+                groups: int, grad_into: tuple[ColumnSink, int] | None, norm: tuple[int, int]
+                ) -> tuple[torch.Tensor, ...]:
         T, CG = x.shape[0], x.shape[1] // groups
         align = row_alignment(x)
         ys = tuple(torch.empty(T, CG, dtype=x.dtype, device=x.device) for _ in range(groups))
         grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(CG, meta["BC"]))  # noqa: E731
         for g, y in enumerate(ys):
             short_conv_fwd_kernel[grid](x[:, g * CG:], weight[g * CG:], positions, y, T, CG, x.stride(0) // align,
-                                        W=weight.shape[1], X_ALIGN=align)
+                                        L2_EPS, W=weight.shape[1], X_ALIGN=align, NORM=g < norm[0], HD=norm[1])
         ctx.save_for_backward(x, weight, positions)
-        ctx.grad_into = grad_into
+        ctx.grad_into, ctx.norm = grad_into, norm
         return ys
 
     @staticmethod
-    def backward(ctx, *dys: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, None, None]:  # noqa: ANN001
+    def backward(ctx, *dys: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, None, None, None]:  # noqa: ANN001
         x, weight, positions = ctx.saved_tensors
         (T, C), W = x.shape, weight.shape[1]
         CG = C // len(dys)
@@ -186,22 +228,25 @@ class ShortConvSiLU(torch.autograd.Function):
         for g, dy in enumerate(dys):
             cols = slice(g * CG, (g + 1) * CG)
             short_conv_bwd_da_kernel[lambda meta: (n_programs, triton.cdiv(CG, meta["BC"]))](
-                x[:, cols], weight[cols], positions, dy.contiguous(), da, dw, T, CG, x.stride(0) // align, W=W,
-                WP=triton.next_power_of_2(W), ROWS=BWD_ROWS, X_ALIGN=align)
+                x[:, cols], weight[cols], positions, dy.contiguous(), da, dw, T, CG, x.stride(0) // align, L2_EPS,
+                W=W, WP=triton.next_power_of_2(W), ROWS=BWD_ROWS, X_ALIGN=align, NORM=g < ctx.norm[0], HD=ctx.norm[1])
             short_conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(CG, meta["BC"]))](
                 da, weight[cols], positions, dx[:, cols], T, CG, dx.stride(0) // dx_align, W=W, DX_ALIGN=dx_align)
             torch.sum(dw, 0, out=dweight[cols])
-        return (dx if ctx.grad_into is None else None), dweight.to(weight.dtype), None, None, None
+        return (dx if ctx.grad_into is None else None), dweight.to(weight.dtype), None, None, None, None
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-                    groups: int = 1, grad_into: tuple[ColumnSink, int] | None = None) -> tuple[torch.Tensor, ...]:
+                    groups: int = 1, grad_into: tuple[ColumnSink, int] | None = None, norm_groups: int = 0,
+                    head_dim: int = 1) -> tuple[torch.Tensor, ...]:
     """``silu(Σ_j weight[:, j] · x_{t−j})`` for x ``[T, C]`` (rows any stride) and weight ``[C, width]``, where
     ``x_{t−j}`` is zero once it lies before token t's document (``positions[t] < j``, positions: the offset of each
     token in its document). Returns ``groups`` contiguous tensors ``[T, C // groups]`` (channel c in group
     ``c // (C // groups)``) in x's dtype; float32 math. ``grad_into``: x is the output of a
     ``kernels.grad_sink.sinked_joint_linear`` from column ``start`` of ``sink``'s, and x's gradient goes there
     (the kernels write it in place; the plain path returns it to autograd, which the sink then copies).
+    ``norm_groups``: that many leading outputs are L2-normalised over each ``head_dim`` channels after the SiLU,
+    ``y / sqrt(|y|² + 1e-6)`` in float32 (the KDA layer's q and k; ``kernels.kda.l2norm``'s formula).
 
     Triton on CUDA (and on the CPU under ``TRITON_INTERPRET=1``), ``naive_short_conv_silu`` elsewhere."""
     if x.dim() != 2:
@@ -213,8 +258,14 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
         raise ValueError(f"positions must be integer [T] = [{T}], got {positions.dtype} {tuple(positions.shape)}")
     if groups < 1 or C % groups:
         raise ValueError(f"groups must divide the {C} channels, got {groups}")
+    if not 0 <= norm_groups <= groups or (norm_groups and ((C // groups) % head_dim or head_dim & (head_dim - 1)
+                                                           or head_dim > MAX_HEAD_DIM)):
+        raise ValueError(f"norm_groups must be 0..{groups} and head_dim a power of two up to {MAX_HEAD_DIM} that "
+                         f"divides the {C // groups} channels of a group, got norm_groups={norm_groups}, "
+                         f"head_dim={head_dim}")
     if not (x.is_cuda or INTERPRET):
-        return naive_short_conv_silu(x, weight, positions, groups)
+        return naive_short_conv_silu(x, weight, positions, groups, norm_groups, head_dim)
     if x.stride(1) != 1:
         x = x.contiguous()
-    return ShortConvSiLU.apply(x, weight.contiguous(), positions.contiguous(), groups, grad_into)
+    return ShortConvSiLU.apply(x, weight.contiguous(), positions.contiguous(), groups, grad_into,
+                               (norm_groups, head_dim))

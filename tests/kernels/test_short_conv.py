@@ -38,11 +38,13 @@ def make_case(lengths: list[int], C: int, width: int, dtype: torch.dtype = torch
 
 
 def forward_backward(fn, x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, groups: int,  # noqa: ANN001
-                     dy: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     dy: torch.Tensor | None, norm: tuple[int, int] = (0, 1)
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The output's groups stacked ``[groups, T, C / groups]`` (each group's gradient still reaches fn's backward on
-    its own: stack's backward hands each its slice of dy), and the gradients of x and the weight."""
+    its own: stack's backward hands each its slice of dy), and the gradients of x and the weight. ``norm``: the
+    leading groups L2-normalised and the head dim."""
     x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
-    outputs = fn(x, weight, pos, groups)
+    outputs = fn(x, weight, pos, groups, norm_groups=norm[0], head_dim=norm[1])
     assert len(outputs) == groups and all(y.is_contiguous() for y in outputs)
     y = torch.stack(outputs)
     y.backward(dy if dy is not None else torch.ones_like(y))
@@ -77,6 +79,34 @@ def test_row_alignment_is_what_divides_the_stride(columns: int, dtype: torch.dty
     assert row_alignment(torch.empty(2, columns, dtype=dtype)[:, :32]) == alignment
 
 
+@pytest.mark.parametrize("lengths, C, groups, norm, extra", [
+    pytest.param([30, 1, 2, 70, 97], 96, 3, (2, 16), 40, id="two-heads-a-group-strided"),
+    pytest.param([200, 57], 384, 3, (2, 128), 8, id="head-wider-than-the-smallest-tiles"),
+    pytest.param([64], 64, 1, (1, 64), 0, id="one-group-normalised"),
+])
+def test_head_l2norm_matches_reference(lengths: list[int], C: int, groups: int, norm: tuple[int, int],
+                                       extra: int) -> None:
+    """q and k L2-normalised over each head inside the kernels (the KDA layer's), v not: outputs and gradients
+    against the reference (SiLU, then ``kernels.kda.l2norm``'s formula). A 128-channel head is wider than the
+    smallest channel tiles, which the tuning widens to whole heads."""
+    x, weight, pos = make_case(lengths, C, 4, extra=extra)
+    dy = torch.randn(groups, sum(lengths), C // groups, device=DEVICE)
+    y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x, weight, pos, groups, dy, norm)
+    y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, groups, dy, norm)
+    heads = y[:norm[0]].reshape(norm[0], sum(lengths), -1, norm[1]).norm(dim=-1)
+    torch.testing.assert_close(heads, torch.ones_like(heads), rtol=0, atol=1e-4)  # unit heads (none is all zero)
+    errors = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_norm_arguments_are_checked() -> None:
+    x, weight, pos = make_case([10], 48, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        short_conv_silu(x, weight, pos, 3, norm_groups=2, head_dim=32)
+    with pytest.raises(ValueError, match="norm_groups"):
+        short_conv_silu(x, weight, pos, 3, norm_groups=4, head_dim=16)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine times the kernels instead")
 def test_kernels_load_rows_of_a_16_byte_stride_in_vectors() -> None:
     """Compiled for sm_90 (its own process: the compiler, not the interpreter) as a launch on the joint projection's
@@ -91,9 +121,10 @@ def test_kernels_load_rows_of_a_16_byte_stride_in_vectors() -> None:
 from kernels.ptxas_report import compile_for_hopper, jit_function
 from kernels.short_conv import conv
 from kernels.tuning import config
-for fn, constants, align, op in [(conv.short_conv_fwd_kernel, dict(W=4, BT=16, BC=128), "X_ALIGN", "ld"),
-                                 (conv.short_conv_bwd_da_kernel, dict(W=4, WP=4, ROWS=512, BT=16, BC=64), "X_ALIGN",
-                                  "ld"),
+plain = dict(NORM=False, HD=1)
+for fn, constants, align, op in [(conv.short_conv_fwd_kernel, dict(W=4, BT=16, BC=128) | plain, "X_ALIGN", "ld"),
+                                 (conv.short_conv_bwd_da_kernel, dict(W=4, WP=4, ROWS=512, BT=16, BC=64) | plain,
+                                  "X_ALIGN", "ld"),
                                  (conv.short_conv_bwd_dx_kernel, dict(W=4, BT=16, BC=128), "DX_ALIGN", "st")]:
     names = jit_function(fn).arg_names
     divisible = tuple(n for n in ("x", "w", "pos", "y", "dy", "da", "dw", "dx", "C") if n in names)
@@ -160,8 +191,10 @@ def test_gradient_written_into_a_joint_projections_sink(lengths: list[int], extr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs one config per kernel; a GPU tunes all")
+@pytest.mark.parametrize("norm", [(0, 1), (2, 32)], ids=["plain", "head-norm"])
 @pytest.mark.parametrize("space", ["FWD_SPACE", "DA_SPACE"])
-def test_every_tuning_config_matches_reference(space: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_tuning_config_matches_reference(space: str, norm: tuple[int, int],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU autotuner may pick any entry of a space, so each must be right: FWD_SPACE serves the forward and the
     dx kernel, DA_SPACE the da kernel. Documents, groups, a strided x and more rows than one da program takes."""
     from kernels.short_conv import conv
@@ -175,8 +208,8 @@ def test_every_tuning_config_matches_reference(space: str, monkeypatch: pytest.M
             monkeypatch.setattr(kernel, "configs", [config(*entry)])
         x, weight, pos = make_case(lengths, 64, 4, extra=8)
         dy = torch.randn(2, sum(lengths), 32, device=DEVICE)
-        y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x, weight, pos, 2, dy)
-        y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 2, dy)
+        y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x, weight, pos, 2, dy, norm)
+        y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 2, dy, norm)
         errors = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
         assert max(errors.values()) <= 1e-5, (entry, errors)
 
@@ -223,15 +256,17 @@ def test_bad_arguments_are_named(args: dict, match: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_at_the_small_models_shape() -> None:
+@pytest.mark.parametrize("norm", [(0, 1), (2, 128)], ids=["plain", "q-k-head-norm"])
+def test_gpu_bf16_at_the_small_models_shape(norm: tuple[int, int]) -> None:
     """The KDA layer of ``small``: q, k, v (3 × 1024 channels) from the joint projection's [T, 4232] buffer (rows
     16-byte aligned but not 32: the kernels are told, and load them in vectors), 32 documents in 65,536 tokens, bf16
-    against the float32 reference."""
+    against the float32 reference; q and k L2-normalised over heads of 128 as the layer runs it."""
     lengths = [2048] * 31 + [65536 - 31 * 2048]
     x, weight, pos = make_case(lengths, 3072, 4, dtype=torch.bfloat16, extra=4232 - 3072)
     dy = torch.randn(3, 65536, 1024, device=DEVICE).bfloat16()
-    y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x.float(), weight.float(), pos, 3, dy.float())
-    y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 3, dy)
+    y_ref, dx_ref, dw_ref = forward_backward(naive_short_conv_silu, x.float(), weight.float(), pos, 3, dy.float(),
+                                             norm)
+    y, dx, dw = forward_backward(short_conv_silu, x, weight, pos, 3, dy, norm)
     errors = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
     assert errors["y"] <= 5e-3 and max(errors.values()) <= 1e-2, errors
 

@@ -116,21 +116,23 @@ class KDALayer(nn.Module):
             x = torch.cat([before, x])
         H, K = self.config.n_heads, self.config.head_dim
         # The six projections of x as one GEMM; q, k, v (side by side in it) through their three short convolutions
-        # in one kernel, which writes them as three tensors of their own: the KDA kernel keeps v for its backward
-        # without keeping q and k (before their L2 norm, which nothing needs) alive.
-        # The convolutions' backward writes q, k and v's gradient straight into the projection's output gradient
-        # (a ColumnSink): autograd would concatenate the four slices' gradients, a copy of all 4,232 columns.
+        # in one kernel, which writes them as three tensors of their own (q and k L2-normalised over each head
+        # there, not by a kernel of their own each way): the KDA kernel keeps v for its backward without keeping q
+        # and k alive. The convolutions' backward writes q, k and v's gradient straight into the projection's
+        # output gradient (a ColumnSink): autograd would concatenate the four slices' gradients, a copy of all
+        # 4,232 columns.
         sink = ColumnSink()
         qkv, b, z_low, gate = joint_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.b_proj, self.g_down,
                                            self.gate_proj, sink=sink)
         convs = (self.q_conv, self.k_conv, self.v_conv)
         T = x.shape[0] - halo
         q, k, v = (past_halo(t, halo).view(1, T, H, K) for t in short_conv_silu(
-            qkv, torch.cat([conv.weight for conv in convs]), positions, groups=3, grad_into=(sink, 0)))
+            qkv, torch.cat([conv.weight for conv in convs]), positions, groups=3, grad_into=(sink, 0), norm_groups=2,
+            head_dim=K))
         beta = torch.sigmoid(past_halo(b, halo).float()).view(1, T, H)
         z = self.g_up(past_halo(z_low, halo)).view(1, T, H, K)
         o, ht = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=cu_seqlens, initial_state=h0,
                           output_final_state=h0 is not None, A_log=self.A_log, dt_bias=self.dt_bias,
-                          g_min=self.config.gate_lower_bound, use_qk_l2norm=True)
+                          g_min=self.config.gate_lower_bound)
         o = gated_rms_norm(o.view(T, H, K), self.o_norm.weight, self.o_norm.eps, past_halo(gate, halo).view(T, H, K))
         return self.o_proj(o.reshape(T, H * K)), ht
