@@ -67,22 +67,41 @@ def _apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     return rotate(q), rotate(k)
 
 
+@cuda_compiled
+def _attention_inputs(x: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float,
+                      qkv_weight: torch.Tensor, qkv_bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``[N, H, D]`` of ``LayerNorm(x)`` ``[N, d]``, q and k rotated: one compiled region on CUDA (the norm,
+    the projection's bias, the RoPE and the split; in backward the norm's gradients and q, k, v's stacked into one
+    buffer, which eager autograd did by a LayerNorm kernel, a GammaBeta reduction and an ``unbind`` copy)."""
+    n = x.shape[0]
+    qkv = F.linear(F.layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps), qkv_weight, qkv_bias)
+    q, k, v = qkv.view(n, 3, n_heads, -1).unbind(1)
+    return (*_apply_rope(q, k, cos, sin), v)
+
+
+@cuda_compiled
+def _block_output(x: torch.Tensor, attention: torch.Tensor, proj_weight: torch.Tensor, proj_bias: torch.Tensor,
+                  norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float, fc1_weight: torch.Tensor,
+                  fc1_bias: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor) -> torch.Tensor:
+    """The rest of a block after its attention ``[1, H, N, D]``: the output projection and residual, then the GELU
+    MLP and residual, as one compiled region on CUDA (the biases, GELU and residual adds fused into the GEMMs'
+    neighbours; in backward the GELU's gradient with fc1's bias gradient, the norm's with its parameters')."""
+    n = x.shape[0]
+    x = x + F.linear(attention.squeeze(0).transpose(0, 1).reshape(n, -1), proj_weight, proj_bias)
+    hidden = F.linear(F.layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps), fc1_weight, fc1_bias)
+    return x + F.linear(F.gelu(hidden, approximate="tanh"), fc2_weight, fc2_bias)
+
+
 class VisionAttention(nn.Module):
-    """Multi-head self-attention with 2D RoPE on q, k; the mask keeps each image to itself."""
+    """Multi-head self-attention with 2D RoPE on q, k; the mask keeps each image to itself. Holds the projections;
+    ``VisionBlock`` runs them around the attention call in two compiled regions with its norms."""
 
     def __init__(self, config: VisionEncoderConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: DocumentMask) -> torch.Tensor:
-        """x ``[N, d]`` -> ``[N, d]``."""
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)
-        q, k = _apply_rope(q, k, *rope)
-        out = document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), mask)
-        return self.proj(out.squeeze(0).transpose(0, 1).reshape(n, -1))
 
 
 class VisionBlock(nn.Module):
@@ -97,8 +116,13 @@ class VisionBlock(nn.Module):
         self.fc2 = nn.Linear(config.d_mlp, config.d_model)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: DocumentMask) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, mask)
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        """``x + attn(norm1(x))``, then ``+ fc2(gelu(fc1(norm2(·))))``; x ``[N, d]``."""
+        attn, norm1, norm2 = self.attn, self.norm1, self.norm2
+        q, k, v = _attention_inputs(x, norm1.weight, norm1.bias, norm1.eps, attn.qkv.weight, attn.qkv.bias, *rope,
+                                    attn.n_heads)
+        out = document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), mask)
+        return _block_output(x, out, attn.proj.weight, attn.proj.bias, norm2.weight, norm2.bias, norm2.eps,
+                             self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
 
 
 class PatchMerger(nn.Module):

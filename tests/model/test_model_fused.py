@@ -10,7 +10,7 @@ from kernels.attn_res import GradSink, sinked
 from trainer.model.attn_res import SinkedAdd, add_inv_rms, add_inv_rms_bwd, inv_rms
 from trainer.model.multimodal import cross_entropy_chunk
 from trainer.model.fused import gated_rms_norm, joint_linear, sigmoid_gate
-from vision.encoder import _apply_rope
+from vision.encoder import _apply_rope, _attention_inputs, _block_output
 
 
 def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
@@ -33,6 +33,11 @@ def _cases(device: str, dtype: torch.dtype) -> list[tuple[str, object, tuple]]:
                                                        True)),
         ("rope", _apply_rope, (t(T, 2, 32), t(T, 2, 32), t(T, 32, grad=False, kind=torch.float32),
                                t(T, 32, grad=False, kind=torch.float32))),
+        ("vision_attention_inputs", _attention_inputs,
+         (t(T, d), t(d), t(d), 1e-6, t(3 * d, d), t(3 * d), t(T, 24, grad=False, kind=torch.float32),
+          t(T, 24, grad=False, kind=torch.float32), 2)),
+        ("vision_block_output", _block_output,
+         (t(T, d), t(1, 2, T, 24), t(d, d), t(d), t(d), t(d), 1e-6, t(4 * d, d), t(4 * d), t(d, 4 * d), t(d))),
     ]
 
 
