@@ -48,12 +48,21 @@ if [ "${STAGE:-1}" = 1 ]; then
   # STAGE_CONFIG may name several configs (an A/B in one call, the caches shared): each runs in turn, within
   # STAGE_SECONDS, as /tmp/run-N; its metrics come back as metrics-N.jsonl, its log as train-N.log, its profiled
   # step S as profile-N-stepS.txt / .csv (so the runs of an A/B keep theirs). An entry VAR=value@config runs that
-  # config with VAR set (LONGWEAVE_ATTENTION=flex@devrun/gpu_small_8k_h100.yaml).
+  # config with VAR set (LONGWEAVE_ATTENTION=flex@devrun/gpu_small_8k_h100.yaml). An entry tree=DIR@config runs that
+  # config on DIR's files put over the tree's (an A/B against a baseline in one call: prepare it here, untracked,
+  # with `git archive COMMIT kernels trainer vision | tar x -C devrun/ab_before`); the tree's own folders come back
+  # after it, whole, so files only the baseline has leave with it.
   keep_profile() { for f in $run/profile-step*; do [ -f "$f" ] && cp "$f" "$OUT/profile-$n-${f##*/profile-}"; done; }
   n=0
   for entry in ${STAGE_CONFIG:-$default_config}; do
-    config=${entry##*@}; settings=
+    config=${entry##*@}; settings=; tree=
     [ "$entry" != "$config" ] && settings=${entry%@*}
+    case "$settings" in tree=*) tree=${settings#tree=}; settings=;; esac
+    if [ -n "$tree" ]; then
+      rm -rf /tmp/tree_saved && mkdir -p /tmp/tree_saved
+      for d in $(ls "$tree"); do cp -r "$d" /tmp/tree_saved/; done
+      cp -r "$tree/." .
+    fi
     n=$((n + 1)); run=/tmp/run-$n
     rm -rf "$run"  # a warm machine keeps /tmp: the trainer would take an earlier call's run for one to resume
     echo "== $n: $entry"
@@ -64,6 +73,7 @@ if [ "${STAGE:-1}" = 1 ]; then
     env $settings PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${STAGE_SECONDS:-390}" \
       python3 -m trainer.train --run $run --config "$config" > "$OUT/train-$n.log" 2>&1
     kill $copier
+    if [ -n "$tree" ]; then for d in $(ls "$tree"); do rm -rf "$d"; cp -r "/tmp/tree_saved/$d" .; done; fi
     cp $run/metrics.jsonl "$OUT/metrics-$n.jsonl" 2>/dev/null; keep_profile 2>/dev/null
     if grep -q "INFO.*step [0-9]" "$OUT/train-$n.log"; then grep "INFO.*step [0-9]" "$OUT/train-$n.log" | tail -6
     else echo "no step finished; the log ends:"; grep -v Warn "$OUT/train-$n.log" | tail -4; fi
