@@ -99,7 +99,7 @@ class VisionAttention(nn.Module):
 
     def __init__(self, config: VisionEncoderConfig) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.n_heads = config.n_heads
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
