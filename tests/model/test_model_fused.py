@@ -73,12 +73,14 @@ def test_fused_pieces_trace_whole_and_match_the_plain_functions(case: int) -> No
 def test_compiled_pieces_match_the_plain_functions_on_cuda(case: int, dtype: torch.dtype) -> None:
     """What ``cuda_compiled`` runs (inductor) against the plain function, outputs and every gradient. In bf16 the
     compiled piece keeps float32 between its ops where the plain one rounds after each, so both are measured against
-    the plain function on the same inputs in float32: the compiled error must not exceed the plain one's (×2)."""
+    the plain function on the same inputs in float32: the compiled error must not exceed the plain one's (×2). In
+    float32 the absolute tolerance scales with each tensor's largest entry: the tower's pieces reach hundreds on
+    these inputs, and summing in another order moves their small, cancelling entries by more than a fixed 1e-5."""
     name, fn, args = _cases("cuda", dtype)[case]
     got_all, want_all = _outputs_and_grads(fn, args), _outputs_and_grads(fn.plain, args)
     if dtype == torch.float32:
         for got, want in zip(got_all, want_all, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * max(1.0, want.abs().max().item()))
         return
 
     def upcast(x):  # noqa: ANN001, ANN202
