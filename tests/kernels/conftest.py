@@ -13,9 +13,13 @@ import torch
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
+    """The interpreter without CUDA, its memory accesses bounds-checked (``bounds.py``) as a GPU would fault."""
     with pytest.MonkeyPatch.context() as mp:
         if not torch.cuda.is_available():
+            from bounds import patch
+
             mp.setenv("TRITON_INTERPRET", "1")
+            patch(mp)
         yield
 
 
