@@ -104,6 +104,15 @@ def test_empty_documents_keep_their_initial_state() -> None:
     check_against_recurrence(case, 1e-4)
 
 
+@pytest.mark.parametrize("g", [-5.0, -4.9], ids=["at-the-bound", "near-it"])
+def test_strongest_decay_stays_exact(g: float) -> None:
+    """Every step at the gate's bound: the sub-chunk decay factors reach their widest range (e^-75 to e^75 across a
+    sub-chunk), where an overflow, or a term lost to underflow that still matters, would show."""
+    case = make_inputs(1, 200, 2, 64, 64, True, n_docs=2)
+    case["inputs"]["g"] = torch.full_like(case["inputs"]["g"], g)
+    check_against_recurrence(case, 1e-4)
+
+
 def test_identical_keys_without_decay_stay_exact() -> None:
     """The hardest UT inverse: one key repeated, beta = 1, g ~ 0, so (I + A_kk) has ones everywhere below the
     diagonal; the recursive-doubling inverse must still match the recurrence."""
