@@ -1,4 +1,5 @@
-"""Kernel tests without CUDA run the Triton kernels under the interpreter (fp32; bf16 only with `gpu_numerics`).
+"""Kernel tests without CUDA run the Triton kernels under the interpreter (fp32; bf16 only with `gpu_numerics`), every
+load and store bounds-checked as a GPU would fault (`bounds.py`).
 
 Triton picks interpreter or compiler when a kernel is defined, so each test module (re)imports its kernel package with
 ``TRITON_INTERPRET=1``; the fixture here keeps the variable set while the folder's tests run, because the kernels read
