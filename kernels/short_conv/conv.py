@@ -208,7 +208,8 @@ class ShortConvSiLU(torch.autograd.Function):
         return ys
 
     @staticmethod
-    def backward(ctx, *dys: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, None, None, None]:  # noqa: ANN001
+    def backward(ctx, *dys: torch.Tensor  # noqa: ANN001
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, None, None, None, None]:
         x, weight, positions = ctx.saved_tensors
         (T, C), W = x.shape, weight.shape[1]
         CG = C // len(dys)

@@ -15,7 +15,8 @@ import pytest
 try:
     import triton.runtime.interpreter as interpreter
     BUILDER, EXECUTOR = interpreter.InterpreterBuilder, interpreter.GridExecutor
-    HOOKS = {name: getattr(BUILDER, name) for name in ("create_masked_load", "create_masked_store", "create_atomic_rmw")}
+    HOOKS = {name: getattr(BUILDER, name)
+             for name in ("create_masked_load", "create_masked_store", "create_atomic_rmw")}
     INIT_ARGS = EXECUTOR._init_args_hst
 except (ImportError, AttributeError) as err:   # the private hooks moved: say so rather than check nothing
     BUILDER = None
