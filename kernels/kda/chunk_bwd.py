@@ -207,6 +207,7 @@ def chunk_kda_bwd_dqkg_kernel(
         b_dgam += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), 1)
 
     p_A = rows[:, None] * (H * BT) + i_h * BT + o_t[None, :]
+    p_At = rows[None, :] * (H * BT) + i_h * BT + o_t[:, None]   # the transposed tile, read as such
     b_P = tl.dot(tl.trans(tl.load(Ainv + p_A, mask=m_t[:, None], other=0.).to(tl.float32)), b_Q,
                  input_precision=PREC)
     p_k = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
@@ -246,21 +247,11 @@ def chunk_kda_bwd_dqkg_kernel(
     b_dkw = b_dkd * tl.exp(b_gam[None, :] - b_G)
     b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_k * b_dkw, 0)
     b_dG -= b_k * b_dkw
-    # The column pass by anchor: only a's BC rows read a's row factors, so each product takes dA's [BT, BC] column
-    # block (its transpose, loaded as such) against a's rows of qr and kbr, K = BC instead of BT with the other rows
-    # zeroed. The rows are picked by a one-hot [BC, BT] product: exact, since qr and kbr are already the numbers the
-    # dot reads and every entry sums one nonzero product (cutting them out of the register tile with reshape and
-    # split faulted on the GPU at K = 64).
-    o_c = tl.arange(0, BC)
     for a in range(BT // BC):
         e_col = anchor_columns(b_G, a, BT, BC)
-        pick = tl.where((a * BC + o_c)[:, None] == o_t[None, :], 1., 0.)
-        rows_a = t0 + a * BC + o_c
-        p_Aa = rows_a[None, :] * (H * BT) + i_h * BT + o_t[:, None]   # dA[a's rows, :] transposed: [BT, BC]
-        m_a = (rows_a < te)[None, :]
-        b_w = tl.dot(tl.load(dAqk + p_Aa, mask=m_a, other=0.), tl.dot(pick, b_qr, input_precision=PREC),
-                     input_precision=PREC)
-        b_w += tl.dot(tl.load(dAkk + p_Aa, mask=m_a, other=0.), tl.dot(pick, b_kbr, input_precision=PREC),
+        m_a = sub_chunk_rows(a, BT, BC)
+        b_w = tl.dot(tl.load(dAqk + p_At, mask=m_t[None, :], other=0.), tl.where(m_a, b_qr, 0.), input_precision=PREC)
+        b_w += tl.dot(tl.load(dAkk + p_At, mask=m_t[None, :], other=0.), tl.where(m_a, b_kbr, 0.),
                       input_precision=PREC)
         b_dkw += e_col * b_w
         b_dG -= as_dot_reads(b_k * e_col, PREC) * b_w
