@@ -106,8 +106,9 @@ def test_empty_documents_keep_their_initial_state() -> None:
 
 @pytest.mark.parametrize("g", [-5.0, -4.9], ids=["at-the-bound", "near-it"])
 def test_strongest_decay_stays_exact(g: float) -> None:
-    """Every step at the gate's bound: the sub-chunk decay factors reach their widest range (e^-75 to e^75 across a
-    sub-chunk), where an overflow, or a term lost to underflow that still matters, would show."""
+    """Every step at the gate's bound: the sub-chunk decay factors reach their widest range (e^-80 to e^80 across a
+    sub-chunk: 16 steps of -5 from the anchor just before it), where an overflow, or a term lost to underflow that
+    still matters, would show."""
     case = make_inputs(1, 200, 2, 64, 64, True, n_docs=2)
     case["inputs"]["g"] = torch.full_like(case["inputs"]["g"], g)
     check_against_recurrence(case, 1e-4)
