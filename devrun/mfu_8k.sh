@@ -23,7 +23,13 @@ echo "GPU memory ${gpu_mib:-unknown} MiB: stage config ${STAGE_CONFIG:-$default_
 # repository root (`cat cache.txz.part-* > .cache.txz`) and carry it.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.cache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor
 [ -f .cache.txz ] && tar xJf .cache.txz
-pack_cache() { tar cf - .cache 2>/dev/null | xz -T0 -6 | split -b 15m - "$OUT/cache.txz.part-"; }
+# The cache's tuning results also come back as this GPU's picks merged into the committed table: copy
+# $OUT/tuning_picks.json over kernels/tuning_picks.json and commit it (a fresh machine then tunes nothing it lists).
+pack_cache() {
+  tar cf - .cache 2>/dev/null | xz -T0 -6 | split -b 15m - "$OUT/cache.txz.part-"
+  cp kernels/tuning_picks.json "$OUT/" 2>/dev/null
+  python3 -m kernels.tuning_picks --cache .cache/triton --output "$OUT/tuning_picks.json" 2>&1 | tail -1
+}
 trap pack_cache EXIT
 if [ -n "${TESTS:-}" ]; then
   timeout -k 5 "${TEST_SECONDS:-60}" python3 -m pytest -n 4 $TESTS -p no:cacheprovider -v -rf > "$OUT/gpu_tests.txt" 2>&1

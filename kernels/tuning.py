@@ -9,6 +9,9 @@ from collections.abc import Callable
 
 import torch
 import triton
+from triton.runtime.autotuner import Autotuner
+
+from kernels import tuning_picks
 
 # Triton releases before `cache_results` tune afresh in every process (fla-core gates it the same way).
 _CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
@@ -31,8 +34,14 @@ def configs(space: Space) -> list[triton.Config]:
 
 
 def autotune(space: Space, key: list[str], **kwargs) -> Callable:
-    """``triton.autotune`` over ``space`` (see :func:`configs`), its results cached on disk where Triton can."""
-    return triton.autotune(configs(space), key=key, **_CACHE, **kwargs)
+    """``triton.autotune`` over ``space`` (see :func:`configs`), its results cached on disk where Triton can, and cut
+    to this GPU's committed pick where `kernels/tuning_picks.json` has one for the kernel and key."""
+    def decorate(fn: Callable) -> Autotuner:
+        tuner = triton.autotune(configs(space), key=key, **_CACHE, **kwargs)(fn)
+        tuner.early_config_prune = tuning_picks.with_picks(
+            tuner.base_fn.__name__, tuner.arg_names, key, tuner.early_config_prune)
+        return tuner
+    return decorate
 
 
 def fit_v(space: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
