@@ -56,7 +56,8 @@ def picks_for(kernel: str, gpu: str | None = None) -> dict[str, dict]:
 
 def tuning_key(arg_names: list[str], keys: list[str], named_args: dict, kwargs: dict) -> tuple:
     """The key Triton's Autotuner.run forms (3.6 and 3.8): the key arguments' values, then every tensor's dtype."""
-    args = {name: value for name, value in {**named_args, **kwargs}.items() if name in arg_names}
+    given = {**(named_args or {}), **kwargs}  # Autotuner.warmup passes no named arguments
+    args = {name: value for name, value in given.items() if name in arg_names}
     return tuple([args[k] for k in keys if k in args] + [str(v.dtype) for v in args.values() if hasattr(v, "dtype")])
 
 
