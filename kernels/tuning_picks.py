@@ -54,7 +54,7 @@ def picks_for(kernel: str, gpu: str | None = None) -> dict[str, dict]:
     return _table().get(gpu, {}).get(kernel, {})
 
 
-def tuning_key(arg_names: list[str], keys: list[str], named_args: dict, kwargs: dict) -> tuple:
+def tuning_key(arg_names: list[str], keys: list[str], named_args: dict | None, kwargs: dict) -> tuple:
     """The key Triton's Autotuner.run forms (3.6 and 3.8): the key arguments' values, then every tensor's dtype."""
     given = {**(named_args or {}), **kwargs}  # Autotuner.warmup passes no named arguments
     args = {name: value for name, value in given.items() if name in arg_names}
