@@ -33,11 +33,17 @@ def configs(space: Space) -> list[triton.Config]:
     return [config(*entry) for entry in chosen]
 
 
+# Each autotuned kernel's whole space by the kernel's name (whatever this machine tunes), for checks of the
+# committed picks against the present code.
+SPACES: dict[str, Space] = {}
+
+
 def autotune(space: Space, key: list[str], **kwargs) -> Callable:
     """``triton.autotune`` over ``space`` (see :func:`configs`), its results cached on disk where Triton can, and cut
     to this GPU's committed pick where `kernels/tuning_picks.json` has one for the kernel and key."""
     def decorate(fn: Callable) -> Autotuner:
         tuner = triton.autotune(configs(space), key=key, **_CACHE, **kwargs)(fn)
+        SPACES[tuner.base_fn.__name__] = space
         tuner.early_config_prune = tuning_picks.with_picks(
             tuner.base_fn.__name__, tuner.arg_names, key, tuner.early_config_prune)
         return tuner

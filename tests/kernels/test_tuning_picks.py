@@ -104,3 +104,20 @@ def test_picks_are_read_from_tritons_cache_and_merged(tmp_path: Path, monkeypatc
     assert table[GPU]["k"][tuning_picks.key_text(key)] == tuning_picks.describe(space()[1])
     assert table[GPU]["other"][tuning_picks.key_text(key)] == tuning_picks.describe(space()[2])
     assert table["Other GPU"] == {"k": {}}
+
+
+def test_every_committed_pick_is_in_its_kernels_present_space() -> None:
+    """A pick the code no longer offers (a space changed) would silently send that kernel back to timing its space:
+    drop it from `kernels/tuning_picks.json`, or tune again on that GPU and merge."""
+    import kernels.attn_res
+    import kernels.kda
+    import kernels.short_conv  # noqa: F401 - registers their spaces
+
+    table = json.loads(tuning_picks.TABLE.read_text())
+    assert table, "the committed table is empty"
+    for gpu, kernels_picks in table.items():
+        for kernel, picks in kernels_picks.items():
+            assert kernel in tuning.SPACES, f"{gpu}: no autotuned kernel {kernel}"
+            offered = [tuning_picks.describe(tuning.config(*entry)) for entry in tuning.SPACES[kernel]]
+            stale = [key for key, pick in picks.items() if pick not in offered]
+            assert not stale, f"{gpu}: {kernel}'s picks for {stale} are not in its space"
