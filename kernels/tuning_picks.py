@@ -68,8 +68,26 @@ def with_picks(kernel: str, arg_names: list[str], keys: list[str], prune: Callab
         space = prune(space, named_args, **kwargs) if prune else space
         pick = picks_for(kernel).get(key_text(tuning_key(arg_names, keys, named_args, kwargs)))
         chosen = [c for c in space if describe(c) == pick]
+        if not chosen and len(space) > 1:
+            _timed.append(kernel)
         return chosen[:1] or space
     return hook
+
+
+_timed: list[str] = []
+
+
+def drain_timed() -> list[str]:
+    """The kernels (one entry per key) whose space was timed since the last call for want of a pick: the trainer
+    logs them, with the command that records their results."""
+    timed = _timed[:]
+    _timed.clear()
+    return timed
+
+
+def record_command() -> str:
+    """The command that merges this machine's tuning results into the committed table."""
+    return f"python -m kernels.tuning_picks --cache {triton.knobs.cache.dir}"
 
 
 def read_cache(cache: Path) -> dict[str, dict[str, dict]]:

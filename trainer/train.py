@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kernels import tuning_picks
 from kernels.moe import step_moe_balance
 from trainer.config import TrainConfig, load_train_config, recompute_label
 from trainer.curriculum import StageError, advance, check_fingerprints, plan_stage, stage_manifest
@@ -287,6 +288,7 @@ class Trainer:
                     continue
                 record = self._profiled_step() if self.state.step + 1 == self.config.profile_step else self.train_step()
                 done_here += 1
+                self._log_tuning()
                 if self.state.step % self.config.log_every == 0:
                     self.metrics.write(record)
                     if self.rank == 0:
@@ -306,6 +308,14 @@ class Trainer:
                 self.save_checkpoint()
         self.metrics.close()
         return self.state
+
+    def _log_tuning(self) -> None:
+        """Name the Triton kernels the step had to time (no committed pick for this GPU), once each time it happens."""
+        timed = tuning_picks.drain_timed()
+        if timed and self.rank == 0:
+            kernels = ", ".join(f"{name} ×{timed.count(name)}" for name in sorted(set(timed)))
+            log.info("autotuning timed %d kernel key(s) with no committed pick for this GPU (%s); to record them: %s",
+                     len(timed), kernels, tuning_picks.record_command())
 
     def _profiled_step(self) -> dict[str, Any]:
         """``train_step`` under torch.profiler on rank 0; the summary goes to ``profile-step{N}.txt``, every GPU

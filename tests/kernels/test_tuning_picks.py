@@ -74,6 +74,18 @@ def test_a_space_is_left_whole_where_the_table_does_not_match(table: dict, monke
     assert hook()(space(), {"x": x, "n": 64}) == space()
 
 
+def test_keys_timed_for_want_of_a_pick_are_reported_once(table: dict) -> None:
+    tuning_picks.drain_timed()
+    x = torch.zeros(4, dtype=torch.bfloat16)
+    table[GPU]["k"] = {tuning_picks.key_text((64, "torch.bfloat16")): tuning_picks.describe(space()[1])}
+    hook()(space(), {"x": x, "n": 64})  # picked: nothing timed
+    hook()(space(), {"x": x, "n": 65})  # no pick: the space is timed
+    hook()(space()[:1], {"x": x, "n": 65})  # one config: nothing to time
+    assert tuning_picks.drain_timed() == ["k"]
+    assert tuning_picks.drain_timed() == []
+    assert tuning_picks.record_command().startswith("python -m kernels.tuning_picks --cache ")
+
+
 def write_result(cache: Path, folder: str, kernel: str, key: tuple, timings: list[list[float]], mtime: int) -> None:
     """An autotuning result as Triton's Autotuner.check_disk_cache writes one."""
     path = cache / folder / f"{kernel}.autotune.json"
