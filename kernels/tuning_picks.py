@@ -1,7 +1,8 @@
 """Committed autotuning picks: each GPU's best config per kernel and tuning key, taken from the results Triton keeps
 in its cache (``TRITON_CACHE_AUTOTUNING``). A fresh machine (a new cluster node, a CI runner with a GPU, the device
 machine of each session) then compiles one config per key instead of compiling and timing the whole space: the 8k
-stage's first step spent 143-230 s tuning without a warm cache against 15-23 s with one (2026-12-04 to 12-07).
+stage's first step spent 143-230 s tuning without a warm cache against 15-23 s with one (2026-12-04 to 12-07), and
+72 s with this table and no cache against 163 s without either on an H100 (2026-12-07, BENCHMARKS.md).
 
 A pick applies only where the GPU's name, the kernel's name, its tuning key (argument values and dtypes, as Triton
 forms it) and the config itself all match the present space; anything else is tuned as before, so a stale table
@@ -78,8 +79,8 @@ _timed: list[str] = []
 
 
 def drain_timed() -> list[str]:
-    """The kernels (one entry per key) whose space was timed since the last call for want of a pick: the trainer
-    logs them, with the command that records their results."""
+    """The kernels (one entry per key) left to Triton's autotuner since the last call for want of a pick (timed, or
+    read from Triton's own cache where it holds them): the trainer logs them, with the command that records them."""
     timed = _timed[:]
     _timed.clear()
     return timed

@@ -310,11 +310,12 @@ class Trainer:
         return self.state
 
     def _log_tuning(self) -> None:
-        """Name the Triton kernels the step had to time (no committed pick for this GPU), once each time it happens."""
+        """Name the Triton kernels the step left to the autotuner (no committed pick for this GPU), once each."""
         timed = tuning_picks.drain_timed()
         if timed and self.rank == 0:
             kernels = ", ".join(f"{name} ×{timed.count(name)}" for name in sorted(set(timed)))
-            log.info("autotuning timed %d kernel key(s) with no committed pick for this GPU (%s); to record them: %s",
+            log.info("autotuned %d kernel key(s) with no committed pick for this GPU (%s; timed, or read from "
+                     "Triton's cache); to commit their picks: %s",
                      len(timed), kernels, tuning_picks.record_command())
 
     def _profiled_step(self) -> dict[str, Any]:
