@@ -16,6 +16,7 @@ import argparse
 import functools
 import json
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import triton
 
 TABLE = Path(__file__).with_name("tuning_picks.json")
 _FIELDS = ("kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg")
+_timed: Counter[str] = Counter()  # kernel -> keys left to Triton's autotuner since the last drain_timed()
 
 
 def describe(config: triton.Config | dict) -> dict:
@@ -37,9 +39,14 @@ def key_text(key: list | tuple) -> str:
     return json.dumps(list(key))
 
 
+def load(path: Path) -> dict:
+    """A picks table (GPU → kernel → key → config); empty where there is no file."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 @functools.cache
 def _table() -> dict:
-    return json.loads(TABLE.read_text()) if TABLE.exists() else {}
+    return load(TABLE)
 
 
 @functools.cache
@@ -70,18 +77,15 @@ def with_picks(kernel: str, arg_names: list[str], keys: list[str], prune: Callab
         pick = picks_for(kernel).get(key_text(tuning_key(arg_names, keys, named_args, kwargs)))
         chosen = [c for c in space if describe(c) == pick]
         if not chosen and len(space) > 1:
-            _timed.append(kernel)
+            _timed[kernel] += 1
         return chosen[:1] or space
     return hook
 
 
-_timed: list[str] = []
-
-
-def drain_timed() -> list[str]:
-    """The kernels (one entry per key) left to Triton's autotuner since the last call for want of a pick (timed, or
-    read from Triton's own cache where it holds them): the trainer logs them, with the command that records them."""
-    timed = _timed[:]
+def drain_timed() -> Counter[str]:
+    """Kernel → keys left to Triton's autotuner since the last call for want of a pick (timed, or read from Triton's
+    own cache where it holds them): the trainer logs them, with the command that records them."""
+    timed = _timed.copy()
     _timed.clear()
     return timed
 
@@ -94,7 +98,7 @@ def record_command() -> str:
 def read_cache(cache: Path) -> dict[str, dict[str, dict]]:
     """kernel → tuning key → best config, from the ``*.autotune.json`` files of a Triton cache (the newest result
     wins where a kernel's source changed between runs)."""
-    found: dict[str, dict[str, tuple[float, dict]]] = {}
+    found: dict[str, dict[str, dict]] = {}
     for path in sorted(cache.glob("*/*.autotune.json"), key=lambda p: p.stat().st_mtime):
         entry = json.loads(path.read_text())
         # Triton keeps the least timing as it compares them: lists of quantiles, element by element.
@@ -122,7 +126,7 @@ def main() -> None:
     if gpu is None:
         parser.error("no GPU here: name the one that made the cache with --gpu")
     found = read_cache(args.cache)
-    table = merge(json.loads(args.output.read_text()) if args.output.exists() else {}, gpu, found)
+    table = merge(load(args.output), gpu, found)
     args.output.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"{gpu}: {sum(map(len, found.values()))} picks of {len(found)} kernels from {args.cache} -> {args.output}")
 

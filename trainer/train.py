@@ -313,10 +313,10 @@ class Trainer:
         """Name the Triton kernels the step left to the autotuner (no committed pick for this GPU), once each."""
         timed = tuning_picks.drain_timed()
         if timed and self.rank == 0:
-            kernels = ", ".join(f"{name} ×{timed.count(name)}" for name in sorted(set(timed)))
+            kernels = ", ".join(f"{name} ×{n}" for name, n in sorted(timed.items()))
             log.info("autotuned %d kernel key(s) with no committed pick for this GPU (%s; timed, or read from "
                      "Triton's cache); to commit their picks: %s",
-                     len(timed), kernels, tuning_picks.record_command())
+                     timed.total(), kernels, tuning_picks.record_command())
 
     def _profiled_step(self) -> dict[str, Any]:
         """``train_step`` under torch.profiler on rank 0; the summary goes to ``profile-step{N}.txt``, every GPU
