@@ -1,7 +1,11 @@
-"""A/B of the KDA dq/dk/dg kernel in one process: the tree's ``chunk_kda_bwd_dqkg_kernel`` against the one in a
-baseline copy of ``kernels/kda/chunk_bwd.py``, alternately, under the profiler at 8 x 8K's shape (the 34-document
-65,536-token batch of ``kernels.kda.bench``, H = 8). Both run one config (the H200 and H100 pick by default), every
-other KDA kernel its first config, so nothing is tuned and a cold machine needs about 35 s:
+"""A/B of the KDA kernels in one process: the tree's against copies of ``kernels/kda/chunk_bwd.py`` or
+``chunk_intra.py`` (each copy's whole backward or intra-chunk forward swapped in, so a copy may change what its
+kernels exchange, e.g. the Gram gradients' dtype),
+alternately, under the profiler at 8 x 8K's shape (the 34-document 65,536-token batch of ``kernels.kda.bench``,
+H = 8). The dq/dk/dg kernel runs one config (the H200 and H100 pick by default), every other KDA kernel its first
+config, so nothing is tuned and a cold machine needs about 35 s. Before timing, each side's bf16 gradients are
+compared with the float32 chunked reference (``test_gpu_bf16_matches_fp32_reference``'s varlen case: the test
+allows 1e-2):
 
     git show COMMIT:kernels/kda/chunk_bwd.py > devrun/ab_baseline_chunk_bwd.py   # untracked, travels to the device
     PYTHONPATH=$PWD python3 devrun/ab_kda_dqkg.py devrun/ab_baseline_chunk_bwd.py | grep "####\\|dqkg_kernel"
@@ -10,43 +14,76 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 
+import torch
 from triton.runtime.autotuner import Autotuner
 
 import kernels.kda.bench as bench
-from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra, l2norm
+from kernels.kda import chunk, chunk_bwd, chunk_fwd, chunk_intra, l2norm
 
 KERNEL = "chunk_kda_bwd_dqkg_kernel"
+SWAPPED = ("chunk_kda_bwd", "chunk_kda_fwd_intra")   # what kernels.kda.chunk calls: a copy replaces what it defines
+
+
+def _load(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"ab_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pin_configs(modules: list[ModuleType], bv: int, bk: int, warps: int) -> None:
+    for module in modules:
+        for name, tuner in vars(module).items():
+            if isinstance(tuner, Autotuner):
+                keep = [c for c in tuner.configs if name != KERNEL
+                        or (c.kwargs == {"BV": bv, "BK": bk} and c.num_warps == warps)]
+                if not keep:
+                    raise SystemExit(f"{module.__name__}: no config BV {bv} / BK {bk} at {warps} warps in {KERNEL}")
+                tuner.configs, tuner.early_config_prune = keep[:1], None
+
+
+def _swap(tree: dict, module: ModuleType) -> None:
+    """kernels.kda.chunk calls the copy's functions (by their module globals) where it defines them, else the tree's."""
+    for name, function in tree.items():
+        setattr(chunk, name, getattr(module, name, function))
+
+
+def _errors() -> dict[str, float]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+    from test_kda import _gpu_reference, make_inputs, rel_err, run
+
+    case = make_inputs(1, 8192, 4, 128, 128, True, n_docs=5, device="cuda", dtype=torch.bfloat16)
+    o_ref, ht_ref, g_ref, grad_out = _gpu_reference(case)
+    o, ht, grads, _ = run(chunk.chunk_kda, case["inputs"], case["cu_seqlens"], grad_out)
+    return {"o": rel_err(o, o_ref), **{f"d{n}": rel_err(grads[n], g_ref[n]) for n in grads}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("baseline", help="a copy of kernels/kda/chunk_bwd.py inside the repository")
+    parser.add_argument("others", nargs="+", help="copies of kernels/kda/chunk_bwd.py or chunk_intra.py inside the repository")
     parser.add_argument("--bv", type=int, default=64)
     parser.add_argument("--bk", type=int, default=32)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("baseline_chunk_bwd", args.baseline)
-    baseline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(baseline)
+    sides = {"tree": chunk_bwd, **{path: _load(path) for path in args.others}}
+    tree = {name: getattr(chunk, name) for name in SWAPPED}
     bench.H = 8
-    for module in (chunk_bwd, chunk_fwd, chunk_intra, l2norm, baseline):
-        for name, tuner in vars(module).items():
-            if isinstance(tuner, Autotuner):
-                keep = [c for c in tuner.configs if name != KERNEL
-                        or (c.kwargs == {"BV": args.bv, "BK": args.bk} and c.num_warps == args.warps)]
-                if not keep:
-                    raise SystemExit(f"{args.baseline if module is baseline else 'the tree'}: no config "
-                                     f"BV {args.bv} / BK {args.bk} at {args.warps} warps in {KERNEL}'s space")
-                tuner.configs, tuner.early_config_prune = keep[:1], None
-    kernels = {"tree": getattr(chunk_bwd, KERNEL), "baseline": getattr(baseline, KERNEL)}
+    _pin_configs([chunk_bwd, chunk_fwd, chunk_intra, l2norm, *sides.values()], args.bv, args.bk, args.warps)
+    for side, module in sides.items():
+        _swap(tree, module)
+        print(f"#### {side} errors against float32: "
+              + ", ".join(f"{n} {e:.2e}" for n, e in _errors().items()), flush=True)
     for _ in range(args.rounds):
-        for side, kernel in kernels.items():
-            setattr(chunk_bwd, KERNEL, kernel)   # chunk_kda_bwd launches the module's global
+        for side, module in sides.items():
+            _swap(tree, module)
             print(f"#### {side}", flush=True)
             bench.main(["--profile", "65536", "--varlen", "--impls", "longweave-gate"])
-    setattr(chunk_bwd, KERNEL, kernels["tree"])
+    _swap(tree, chunk_bwd)
 
 
 if __name__ == "__main__":
