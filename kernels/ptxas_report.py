@@ -31,8 +31,8 @@ from kernels.tuning import config
 swiglu = importlib.import_module("kernels.moe.swiglu")  # the package exports the function under the same name
 
 HOPPER = GPUTarget("cuda", 90, 64)
-FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dAqk", "dAkk", "dw", "logits",
-                "dots", "s_ptr", "ds_ptr", "lse", "dlse", "scratch", "dq", "sp", "rp", "drp"}
+FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dw", "logits", "dots",
+                "s_ptr", "ds_ptr", "lse", "dlse", "scratch", "dq", "sp", "rp", "drp"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
 INT64_ARGS = {"pos"}
 SCALAR_ARGS = {"scale": "fp32", "eps": "fp32", "T": "i32", "CHAINS": "i32", "C": "i32", "x_rows": "i32",
@@ -116,14 +116,14 @@ def main(argv: list[str] | None = None) -> None:
     gate = dict(USE_GATE=False, HAS_BIAS=False, G_MIN=-5.0, PREC="tf32")
     kernels = [
         (chunk_intra.chunk_kda_fwd_intra_kernel, chunk_intra.INTRA_SPACE,
-         shape | gate | dict(BC=16, SOLVE_PREC="tf32")),
+         shape | gate | dict(BC=16, SOLVE_PREC="tf32", GRAM="bf16")),
         (chunk_fwd.chunk_kda_fwd_h_kernel, chunk_fwd.STATE_PASS_SPACE,
          shape | dict(PREC="tf32", USE_H0=False, STORE_HT=False, SAVE_H=True)),
         (chunk_bwd.chunk_kda_bwd_dh_kernel, chunk_fwd.STATE_PASS_SPACE,
          shape | dict(PREC="tf32", USE_DHT=False, STORE_DH0=False)),
         (chunk_bwd.chunk_kda_bwd_dA_kernel, chunk_bwd.DA_SPACE,
          dict(H=args.heads, V=args.head_dim, BT=64, SLOT=args.head_dim // 32, PREC="tf32")),
-        (chunk_bwd.chunk_kda_bwd_dqkg_kernel, chunk_bwd.DQKG_SPACE, shape | gate | dict(BC=16)),
+        (chunk_bwd.chunk_kda_bwd_dqkg_kernel, chunk_bwd.DQKG_SPACE, shape | gate | dict(BC=16, GRAM="bf16")),
     ]
     configs = [(kernel, config(*entry), constants) for kernel, space, constants in kernels for entry in space
                if max(entry[0].values()) <= args.head_dim]

@@ -1,11 +1,16 @@
 """Backward: the reverse state pass (dh, dv_new), then two parallel kernels: one per chunk and head for what
-reduces over V (dv, the Gram gradients dA_qk and dA_kk, kept in float32), one per K block for dq, dk, dg.
+reduces over V (dv, the Gram gradients dA_qk and dA_kk), one per K block for dq, dk, dg.
 
 Writing X = diag(beta) (V - K exp(G) S), so that v_new = Ainv X, the gradient through the UT inverse is
     dX = Ainv^T dv_new,  dA_kk = -dX v_new^T  (strictly lower),
 which needs reductions over V only; the gated Gram matrices then backpropagate with the same sub-chunk anchors as
 the forward pass. Every place G enters is exp(+G_i) (q, and k as a reader) or exp(-G_j) (k as a writer), so
 dG = q dq + k dk_read - k dk_write, and dg is its reverse cumulative sum plus the chunk-end term.
+
+In bf16 runs the Gram gradients are stored in bf16 and their products take bf16 operands (``gram_precision``): the
+dq/dk/dg kernel reads each ``[64, 64]`` tile once per sub-chunk anchor and pass, 16 times, so in float32 those reads
+were most of its traffic. Both sides of dG's cancellation read the same stored tile and the same rounded operands,
+so the rounding does not break it.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import anchor_columns, as_dot_reads, own_anchor_rows, sub_chunk_anchor, sub_chunk_rows
+from kernels.kda.chunk_intra import (anchor_columns, gram_dot, gram_operand, gram_precision, gram_reads,
+                                     own_anchor_rows, sub_chunk_anchor, sub_chunk_rows)
 from kernels.kda.chunk_fwd import STATE_PASS_SPACE, chain_bucket
 from kernels.kda.gate import load_log_decay, log_decay_grad
 from kernels.tuning import autotune, fit_v
@@ -114,6 +120,12 @@ def load_v_tiles(do, vn, dvn, p_v, m_t, dt: tl.constexpr):
             tl.load(dvn + p_v, mask=m, other=0.).to(dt))
 
 
+@triton.jit
+def gram_grad(p, m):
+    """A Gram-gradient tile (stored in the inputs' dtype: bf16 when training), zero where not m."""
+    return tl.load(p, mask=m, other=0.)
+
+
 DA_SPACE = [({"BV": 32}, 4), ({"BV": 64}, 4), ({"BV": 64}, 8)]
 # Narrow K blocks keep the [BT, BK] gradient tiles in registers; nothing is repeated across K blocks but the loads
 # of dO, v_new and dv_new. BK = 16 at 4 warps is the one 4-warp config that ptxas (sm_90) fits without spills
@@ -135,7 +147,7 @@ def chunk_kda_bwd_dA_kernel(
     T, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Everything that reduces over V alone, once per chunk and head: dX = Ainv^T dv_new, dv = beta dX, the beta
-    gradient through X, and the gated Gram gradients dA_qk = scale dO v_new^T, dA_kk = -dX v_new^T (float32)."""
+    gradient through X, and the gated Gram gradients dA_qk = scale dO v_new^T, dA_kk = -dX v_new^T (in q's dtype)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
     te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
@@ -161,8 +173,9 @@ def chunk_kda_bwd_dA_kernel(
         b_vnt = tl.trans(b_vn)
         b_dAqk += tl.dot(b_do, b_vnt, input_precision=PREC)
         b_dAkk += tl.dot(b_dx.to(dt), b_vnt, input_precision=PREC)
-    tl.store(dAqk + p_A, tl.where(o_t[:, None] >= o_t[None, :], b_dAqk * scale, 0.), mask=m_t[:, None])
-    tl.store(dAkk + p_A, tl.where(o_t[:, None] > o_t[None, :], -b_dAkk, 0.), mask=m_t[:, None])
+    ga = dAqk.dtype.element_ty
+    tl.store(dAqk + p_A, tl.where(o_t[:, None] >= o_t[None, :], b_dAqk * scale, 0.).to(ga), mask=m_t[:, None])
+    tl.store(dAkk + p_A, tl.where(o_t[:, None] > o_t[None, :], -b_dAkk, 0.).to(ga), mask=m_t[:, None])
     tl.store(dbeta + SLOT * T * H + rows * H + i_h, b_dbv, mask=m_t)
 
 
@@ -173,7 +186,7 @@ def chunk_kda_bwd_dqkg_kernel(
     q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, G_MIN: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, GRAM: tl.constexpr,
 ):
     """dq, dk, dg (or dz) and the rest of dbeta for one K block: the state products, then the gated Gram
     matrices' gradients with the forward's sub-chunk anchors. A chunk's K blocks are neighbouring programs (the
@@ -218,16 +231,16 @@ def chunk_kda_bwd_dqkg_kernel(
     b_k = tl.load(k + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
 
     # The Gram products: per sub-chunk anchor a, dA [BT, BT] times k exp(c_a - G) (columns up to a's end, rounded
-    # to tf32 here so both sides below see the same operand), kept on a's rows; every row is rescaled around its own
-    # anchor afterwards (E = exp(G - c_a(i))). dq = scale dO S^T exp(G) + E D_qk, and through
+    # here as the product reads it, so both sides below see the same operand), kept on a's rows; every row is
+    # rescaled around its own anchor afterwards (E = exp(G - c_a(i))). dq = scale dO S^T exp(G) + E D_qk, and through
     # X = diag(beta) (V - K exp(G) S), X's gradient -exp(G) P + E D_kk (then dk as a reader).
     b_Dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_Dk = tl.zeros([BT, BK], dtype=tl.float32)
     for a in range(BT // BC):
-        b_kc = as_dot_reads(b_k * anchor_columns(b_G, a, BT, BC), PREC)
+        b_kc = gram_operand(b_k * anchor_columns(b_G, a, BT, BC), GRAM)
         m_a = sub_chunk_rows(a, BT, BC)
-        b_Dq += tl.where(m_a, tl.dot(tl.load(dAqk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC), 0.)
-        b_Dk += tl.where(m_a, tl.dot(tl.load(dAkk + p_A, mask=m_t[:, None], other=0.), b_kc, input_precision=PREC), 0.)
+        b_Dq += tl.where(m_a, gram_dot(gram_grad(dAqk + p_A, m_t[:, None]), b_kc, GRAM), 0.)
+        b_Dk += tl.where(m_a, gram_dot(gram_grad(dAkk + p_A, m_t[:, None]), b_kc, GRAM), 0.)
     b_eG = tl.exp(b_G)
     b_E = own_anchor_rows(b_G, BT, BC)
     b_q = tl.load(q + p_k, mask=m_t[:, None], other=0.).to(tl.float32)
@@ -237,11 +250,11 @@ def chunk_kda_bwd_dqkg_kernel(
     tl.store(dbeta + i_k * T * H + rows * H + i_h, tl.sum(b_k * b_X, 1), mask=m_t)
     b_dk = b_beta[:, None] * b_X                        # dk_read
     # dG = q dq + k dk_read - k dk_write. The Gram parts cancel between rows and columns (their sum over the chunk is
-    # zero), so each is formed from the same tf32 operands on both sides: q exp(G - c_a) and k beta exp(G - c_a) as
-    # the column pass reads them, and k exp(c_a - G) as the row pass did. Rounded on one side only, tf32's 2^-11
+    # zero), so each is formed from the same rounded operands on both sides: q exp(G - c_a) and k beta exp(G - c_a)
+    # as the column pass reads them, and k exp(c_a - G) as the row pass did. Rounded on one side only, tf32's 2^-11
     # tripled dg's error in bf16 against the recurrence (GPU: 8.6e-3, fla-core 2.8e-3).
-    b_qr = as_dot_reads(b_q * b_E, PREC)
-    b_kbr = as_dot_reads(b_k * b_beta[:, None] * b_E, PREC)
+    b_qr = gram_reads(b_q * b_E, GRAM)
+    b_kbr = gram_reads(b_k * b_beta[:, None] * b_E, GRAM)
     b_dG = b_q * b_dqs - b_k * b_beta[:, None] * b_eG * b_P + b_qr * b_Dq + b_kbr * b_Dk
 
     # dk as a writer: through k exp(gamma - G) in the state update and k_j exp(-G_j) in both Gram matrices.
@@ -251,11 +264,10 @@ def chunk_kda_bwd_dqkg_kernel(
     for a in range(BT // BC):
         e_col = anchor_columns(b_G, a, BT, BC)
         m_a = sub_chunk_rows(a, BT, BC)
-        b_w = tl.dot(tl.load(dAqk + p_At, mask=m_t[None, :], other=0.), tl.where(m_a, b_qr, 0.), input_precision=PREC)
-        b_w += tl.dot(tl.load(dAkk + p_At, mask=m_t[None, :], other=0.), tl.where(m_a, b_kbr, 0.),
-                      input_precision=PREC)
+        b_w = gram_dot(gram_grad(dAqk + p_At, m_t[None, :]), tl.where(m_a, b_qr, 0.), GRAM)
+        b_w += gram_dot(gram_grad(dAkk + p_At, m_t[None, :]), tl.where(m_a, b_kbr, 0.), GRAM)
         b_dkw += e_col * b_w
-        b_dG -= as_dot_reads(b_k * e_col, PREC) * b_w
+        b_dG -= gram_reads(b_k * e_col, GRAM) * b_w
     b_dk += b_dkw
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
 
@@ -296,7 +308,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     Ainv = saved.pop("Ainv")
     slots = K // DQKG_MIN_BK   # one partial dbeta per K block of the narrowest config, and one for the V part
     dbeta = q.new_zeros(slots + 1, T, H, dtype=torch.float32)
-    dAqk = q.new_empty(1, T, H, 64, dtype=torch.float32)
+    dAqk = q.new_empty(1, T, H, 64)   # q's dtype: see the module docstring
     dAkk = torch.empty_like(dAqk)
     chunk_kda_bwd_dA_kernel[(chunks.shape[0], H)](
         v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale, T, H=H, V=V, BT=64, SLOT=slots, PREC=prec,
@@ -304,5 +316,6 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     chunk_kda_bwd_dqkg_kernel[lambda meta: (chunks.shape[0] * (K // meta["BK"]), H)](
         q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
         T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
+        GRAM=gram_precision(q.dtype, prec),
     )
     return dq, dk, dv, dg, dbeta.sum(0, keepdim=True), dh0
