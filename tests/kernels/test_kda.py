@@ -62,13 +62,13 @@ def run(fn, inputs: dict, cu_seqlens: torch.Tensor | None, grad_out: tuple[torch
     return o, ht, {n: t.grad for n, t in leaves.items()}, grad_out
 
 
-def check_against_recurrence(case: dict, tol: float, **kw) -> None:
+def check_against_recurrence(case: dict, tol: float, dg_tol: float | None = None, **kw) -> None:
     ref_in = {n: (t.float() if t is not None else None) for n, t in case["inputs"].items()}
     o_ref, ht_ref, g_ref, grad_out = run(naive_recurrent_kda, ref_in, case["cu_seqlens"], None)
     o, ht, grads, _ = run(chunk_kda, case["inputs"], case["cu_seqlens"], grad_out, **kw)
     errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
     errors |= {f"d{n}": rel_err(grads[n], g_ref[n]) for n in grads}
-    bad = {n: e for n, e in errors.items() if not e <= tol}
+    bad = {n: e for n, e in errors.items() if not e <= (dg_tol if n == "dg" and dg_tol is not None else tol)}
     assert not bad, f"relative errors over {tol}: {bad} (all: {errors})"
 
 
@@ -108,10 +108,11 @@ def test_empty_documents_keep_their_initial_state() -> None:
 def test_strongest_decay_stays_exact(g: float) -> None:
     """Every step at the gate's bound: the sub-chunk decay factors reach their widest range (e^-80 to e^80 across a
     sub-chunk: 16 steps of -5 from the anchor just before it), where an overflow, or a term lost to underflow that
-    still matters, would show."""
+    still matters, would show (as errors of order 1). dg's float32 error there is 6e-5 to 1.1e-4 by the seed (seed
+    270697589: 1.06e-4, the same before the bf16 Gram products), the rest about 1e-7: dg gets 3e-4."""
     case = make_inputs(1, 200, 2, 64, 64, True, n_docs=2)
     case["inputs"]["g"] = torch.full_like(case["inputs"]["g"], g)
-    check_against_recurrence(case, 1e-4)
+    check_against_recurrence(case, 1e-4, dg_tol=3e-4)
 
 
 def test_identical_keys_without_decay_stay_exact() -> None:
