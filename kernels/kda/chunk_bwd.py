@@ -7,10 +7,10 @@ which needs reductions over V only; the gated Gram matrices then backpropagate w
 the forward pass. Every place G enters is exp(+G_i) (q, and k as a reader) or exp(-G_j) (k as a writer), so
 dG = q dq + k dk_read - k dk_write, and dg is its reverse cumulative sum plus the chunk-end term.
 
-In bf16 runs the Gram gradients are stored in bf16 and their products take bf16 operands (``gram_precision``): the
-dq/dk/dg kernel reads each ``[64, 64]`` tile once per sub-chunk anchor and pass, 16 times, so in float32 those reads
-were most of its traffic. Both sides of dG's cancellation read the same stored tile and the same rounded operands,
-so the rounding does not break it.
+In bf16 runs at K = 128 the Gram gradients are stored in bf16 and their products take bf16 operands
+(``gram_precision``): the dq/dk/dg kernel reads each ``[64, 64]`` tile once per sub-chunk anchor and pass, 16
+times, so in float32 those reads were most of its traffic. Both sides of dG's cancellation read the same stored
+tile and the same rounded operands, so the rounding does not break it.
 """
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ def chunk_kda_bwd_dA_kernel(
     T, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Everything that reduces over V alone, once per chunk and head: dX = Ainv^T dv_new, dv = beta dX, the beta
-    gradient through X, and the gated Gram gradients dA_qk = scale dO v_new^T, dA_kk = -dX v_new^T (in q's dtype)."""
+    gradient through X, and the gated Gram gradients dA_qk = scale dO v_new^T, dA_kk = -dX v_new^T (bf16 or float32:
+    ``gram_precision``)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(chunks + 2 * i_t).to(tl.int64)
     te = tl.load(chunks + 2 * i_t + 1).to(tl.int64)
@@ -308,7 +309,8 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     Ainv = saved.pop("Ainv")
     slots = K // DQKG_MIN_BK   # one partial dbeta per K block of the narrowest config, and one for the V part
     dbeta = q.new_zeros(slots + 1, T, H, dtype=torch.float32)
-    dAqk = q.new_empty(1, T, H, 64)   # q's dtype: see the module docstring
+    gram = gram_precision(q.dtype, prec, K)
+    dAqk = q.new_empty(1, T, H, 64, dtype=torch.bfloat16 if gram == "bf16" else torch.float32)
     dAkk = torch.empty_like(dAqk)
     chunk_kda_bwd_dA_kernel[(chunks.shape[0], H)](
         v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale, T, H=H, V=V, BT=64, SLOT=slots, PREC=prec,
@@ -316,6 +318,6 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     chunk_kda_bwd_dqkg_kernel[lambda meta: (chunks.shape[0] * (K // meta["BK"]), H)](
         q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
         T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
-        GRAM=gram_precision(q.dtype, prec),
+        GRAM=gram,
     )
     return dq, dk, dv, dg, dbeta.sum(0, keepdim=True), dh0
