@@ -184,9 +184,10 @@ def chunk_kda_fwd_intra_kernel(
 
 def gram_precision(dtype: torch.dtype, prec: str, K: int) -> str:
     """The Gram products' operands: bf16 in bf16 runs at K = 128, as fla-core's are not (it multiplies float32 at
-    tf32): the dq/dk/dg kernel 0.75x, the intra kernel 0.95x on an H100 (BENCHMARKS.md, 2026-12-07). Measured
-    under the interpreter with a GPU's numerics (T = 1024, K = V = 128, three documents, against the recurrence), bf16 against tf32 operands: o 3.7e-3 against 2.9e-3, dq 3.7e-3 against 3.0e-3, dg 3.3e-3 against
-    2.7e-3 (the tests allow 5e-3). At K = 64 the bf16 kernels faulted on an H100 (Triton 3.6, 2026-12-07:
+    tf32): the dq/dk/dg kernel 0.75x, the intra kernel 0.95x on an H100 (BENCHMARKS.md, 2026-12-07). Under the
+    interpreter with a GPU's numerics (T = 1024, K = V = 128, three documents, against the recurrence), bf16
+    against tf32 operands: o 3.7e-3 against 2.9e-3, dq 3.7e-3 against 3.0e-3, dg 3.3e-3 against 2.7e-3 (the tests
+    allow 5e-3). At K = 64 the bf16 kernels faulted on an H100 (Triton 3.6, 2026-12-07:
     ``test_gpu_bf16_matches_fp32_reference[B2-T2000-H2-K64]``, an illegal memory access; every config passes the
     interpreter's bounds check there), so other head dims keep ``prec``, as float32 runs do (exact in the tests)."""
     return "bf16" if dtype == torch.bfloat16 and K == 128 else prec
