@@ -122,7 +122,7 @@ def load_v_tiles(do, vn, dvn, p_v, m_t, dt: tl.constexpr):
 
 @triton.jit
 def gram_grad(p, m):
-    """A Gram-gradient tile (stored in the inputs' dtype: bf16 when training), zero where not m."""
+    """A Gram-gradient tile as stored (bf16 or float32: ``gram_precision``), zero where not m."""
     return tl.load(p, mask=m, other=0.)
 
 
