@@ -24,6 +24,7 @@ from triton.runtime.autotuner import Autotuner
 import kernels.kda.bench as bench
 from kernels.kda import chunk, chunk_bwd, chunk_fwd, chunk_intra, l2norm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))   # test_kda's helpers, once
 KERNEL = "chunk_kda_bwd_dqkg_kernel"
 SWAPPED = ("chunk_kda_bwd", "chunk_kda_fwd_intra")   # what kernels.kda.chunk calls: a copy replaces what it defines
 
@@ -53,7 +54,6 @@ def _swap(tree: dict, module: ModuleType) -> None:
 
 
 def _errors() -> dict[str, float]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
     from test_kda import _gpu_reference, make_inputs, rel_err, run
 
     case = make_inputs(1, 8192, 4, 128, 128, True, n_docs=5, device="cuda", dtype=torch.bfloat16)
@@ -64,7 +64,8 @@ def _errors() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("others", nargs="+", help="copies of kernels/kda/chunk_bwd.py or chunk_intra.py inside the repository")
+    parser.add_argument("others", nargs="+",
+                        help="copies of kernels/kda/chunk_bwd.py or chunk_intra.py inside the repository")
     parser.add_argument("--bv", type=int, default=64)
     parser.add_argument("--bk", type=int, default=32)
     parser.add_argument("--warps", type=int, default=4)
