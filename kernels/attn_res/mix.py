@@ -58,8 +58,15 @@ FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"
              ({"BT": 2}, 2)]
 # Since the backward loads a row's N sources, logits, inv_rms and the sums it adds into before its first store
 # (2026-12-07), ptxas gives it 128 registers at BT 1 with 8 warps for 5 sources, 232 for 9; 16 warps at 128 (84 B
-# spilled at 9 sources) joined the space.
-BWD_SPACE = [({"BT": 2}, 8), ({"BT": 1}, 8), ({"BT": 1}, 8, 128), ({"BT": 1}, 4), ({"BT": 1}, 16)]
+# spilled at 9 sources) joined the space. The tuning picked BT 1 at 4 warps for every key on the H200 and all but
+# one on the H100 (BT 1 at 8 warps there); BT 2, the 128-register cap and 16 warps never won and left the space.
+# STAGES > 1 pipelines the loop over rows (``tl.range``): the next rows' loads go out through shared memory while
+# this row's reductions run. One row at a time, each row waited for its loads and then for its reductions with
+# nothing else in flight (about 0.9 ms a call on the H200, half the copy bandwidth by a byte count). By ptxas
+# (Triton 3.6, sm_90, 5 / 9 sources with the norm), 2 stages: 255 / 255 registers at 4 warps (88 B spilled at 9),
+# 169 / 226 at 8 warps, 23 / 39 KB of shared memory; 3 stages: 8 B spilled at 8 warps and 9 sources.
+BWD_SPACE = [({"BT": 1, "STAGES": 2}, 4), ({"BT": 1, "STAGES": 1}, 4), ({"BT": 1, "STAGES": 1}, 8),
+             ({"BT": 1, "STAGES": 2}, 8), ({"BT": 1, "STAGES": 3}, 8), ({"BT": 1, "STAGES": 3}, 4)]
 # Tuned per power-of-two class of the source count (NP), not per count: ``small``'s 41 mixtures take 1 to 9 sources,
 # and each count tuned afresh compiled and timed every config of both kernels for it: 10 keys, 90 compiles (the 8k
 # stage's first step took 279 s on 2026-12-04, 84 s more than with the compiled PyTorch mixture). Six classes; the
@@ -144,7 +151,7 @@ def rms_norm_bwd(b_dy, b_h, b_g, eps, D: tl.constexpr):
 @triton.jit(do_not_specialize=["acc"])
 def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps, acc, N: tl.constexpr,
                         NP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
-                        ROWS: tl.constexpr, BT: tl.constexpr):
+                        ROWS: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr):
     """Every source's gradient and inv_rms gradient for the program's ROWS rows, and its partial sums of the
     pseudo-query's gradient (dw) and of the norm weight's (dg). Source i's gradient is added into ``dsrcs[i]`` when
     bit i of ``acc`` is set, written over it otherwise. ``acc`` is a runtime bit mask, not a constant: as a constant
@@ -163,7 +170,7 @@ def attn_res_bwd_kernel(srcs, rms, w, g, logits, dy, dsrcs, drms, dw, dg, T, eps
     b_g = tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)
     b_dw = tl.zeros([BD], dtype=tl.float32)
     b_dg = tl.zeros([BD], dtype=tl.float32)
-    for r in range(ROWS // BT):
+    for r in tl.range(0, ROWS // BT, num_stages=STAGES):
         o_t = i_p.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
         m = m_t[:, None] & m_d[None, :]

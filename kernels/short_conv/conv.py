@@ -68,8 +68,15 @@ def conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.con
 # widens the narrower tiles.
 FWD_SPACE = [({"BT": 16, "BC": 128}, 4), ({"BT": 32, "BC": 64}, 4), ({"BT": 16, "BC": 256}, 8),
              ({"BT": 64, "BC": 64}, 8), ({"BT": 8, "BC": 256}, 4), ({"BT": 4, "BC": 512}, 4), ({"BT": 4, "BC": 256}, 2)]
-DA_SPACE = [({"BT": 8, "BC": 128}, 4), ({"BT": 16, "BC": 64}, 4), ({"BT": 16, "BC": 128}, 8),
-            ({"BT": 8, "BC": 256}, 8), ({"BT": 4, "BC": 256}, 4), ({"BT": 4, "BC": 128}, 2)]
+# da's loop over its ROWS rows runs STAGES deep (``tl.range``): with one stage each row block waited for its loads
+# (0.256 ms a call at the 8k stage on the H200 picked 8 × 128 at 4 warps for both keys: about 37% of the copy
+# bandwidth for its 402 MB), with more the next blocks' taps, positions and dy are in flight through shared memory
+# meanwhile. By ptxas (Triton 3.6, sm_90, C a multiple of 16 as at launch): 156-186 registers at 1 to 3 stages, no
+# spills, 10-41 KB of shared memory.
+DA_SPACE = [({"BT": 8, "BC": 128, "STAGES": 2}, 4), ({"BT": 8, "BC": 128, "STAGES": 1}, 4),
+            ({"BT": 8, "BC": 128, "STAGES": 3}, 4), ({"BT": 16, "BC": 64, "STAGES": 2}, 4),
+            ({"BT": 4, "BC": 256, "STAGES": 2}, 4), ({"BT": 16, "BC": 128, "STAGES": 2}, 8),
+            ({"BT": 8, "BC": 256, "STAGES": 2}, 8), ({"BT": 4, "BC": 128, "STAGES": 2}, 2)]
 
 
 def whole_heads(space: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
@@ -112,7 +119,7 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, x_rows, eps, W: tl.constexpr, BT: 
 @triton.jit
 def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, x_rows, eps, W: tl.constexpr, WP: tl.constexpr,
                              ROWS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, X_ALIGN: tl.constexpr,
-                             NORM: tl.constexpr, HD: tl.constexpr):
+                             NORM: tl.constexpr, HD: tl.constexpr, STAGES: tl.constexpr):
     """da = dy · silu'(pre-activation) (the pre-activation recomputed, not stored) for the program's ROWS rows, and
     their weight-gradient partial dw[program, c, i] = Σ_t da[t] x[t − i] over the taps inside t's document. With
     NORM, dy is the gradient of the head-normalised output n = s r (s the SiLU, r its head's rsqrt): it reaches s as
@@ -128,7 +135,7 @@ def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, x_rows, eps, W: tl.con
     m_c, m_w = o_c < C, o_w < W
     b_w = tl.load(w + o_c[None, :] * W + o_w[:, None], mask=m_w[:, None] & m_c[None, :], other=0.).to(tl.float32)
     b_terms = tl.zeros([BT, WP, BC], dtype=tl.float32)
-    for r in range(ROWS // BT):
+    for r in tl.range(0, ROWS // BT, num_stages=STAGES):
         o_t = i_t.to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
         b_pos = tl.load(pos + o_t, mask=m_t, other=0)
@@ -141,10 +148,10 @@ def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, x_rows, eps, W: tl.con
                        other=0.).to(tl.float32)
         sig = tl.sigmoid(acc)
         if NORM:
-            s3, r = head_l2norm(acc * sig, eps, BT, BC, HD)
-            n3 = s3 * r[:, :, None]
+            s3, rn = head_l2norm(acc * sig, eps, BT, BC, HD)
+            n3 = s3 * rn[:, :, None]
             dy3 = tl.reshape(b_dy, (BT, BC // HD, HD))
-            b_dy = tl.reshape((dy3 - n3 * tl.sum(n3 * dy3, 2)[:, :, None]) * r[:, :, None], (BT, BC))
+            b_dy = tl.reshape((dy3 - n3 * tl.sum(n3 * dy3, 2)[:, :, None]) * rn[:, :, None], (BT, BC))
         b_da = b_dy * sig * (1. + acc * (1. - sig))
         tl.store(da + o_t[:, None] * C + o_c[None, :], b_da.to(da.dtype.element_ty),
                  mask=m_t[:, None] & m_c[None, :])
