@@ -53,9 +53,15 @@ BWD_ROWS = 64
 # latency of its reductions) it spills 88 B per thread. At 16 warps it spilled 168 B, at BT 4 184 B.
 # Fewer warps won at every forward key the H200's tuning timed (2026-12-06, the autotuner's own timings at the 8k
 # stage: 4 warps at BT 1 or 2, 0.33-0.36 ms at 8 sources, against 0.36-0.53 at 8 warps), so 2 warps joined (72
-# and 128 registers, no spills). The backward at 2 warps spilled 420 B: not added.
-FWD_SPACE = [({"BT": 4}, 4), ({"BT": 2}, 4), ({"BT": 4}, 8), ({"BT": 2}, 8), ({"BT": 1}, 4), ({"BT": 1}, 2),
-             ({"BT": 2}, 2)]
+# and 128 registers, no spills). The backward at 2 warps spilled 420 B: not added. Of the one-tile programs (ROWS =
+# BT, one stage) only BT 1 at 2 warps and BT 2 at 2 or 4 ever won a key (the committed picks of 2026-12-07) and
+# stay. A program may also run ROWS rows BT at a time, STAGES deep (``tl.range``: the next rows' sources in flight
+# through shared memory meanwhile). By ptxas (Triton 3.6, sm_90, 5 / 9 sources with the norm): 80-146 / 128-255
+# registers pipelined, no spills, 14-45 KB of shared memory; BT 2 over 32 rows at 2 warps spilled 80 B at 9.
+FWD_SPACE = [({"BT": 1, "ROWS": 16, "STAGES": 2}, 4), ({"BT": 1, "ROWS": 1, "STAGES": 1}, 2),
+             ({"BT": 2, "ROWS": 2, "STAGES": 1}, 2), ({"BT": 2, "ROWS": 2, "STAGES": 1}, 4),
+             ({"BT": 1, "ROWS": 16, "STAGES": 2}, 2), ({"BT": 1, "ROWS": 32, "STAGES": 3}, 2),
+             ({"BT": 2, "ROWS": 32, "STAGES": 2}, 4)]
 # Since the backward loads a row's N sources, logits, inv_rms and the sums it adds into before its first store
 # (2026-12-07), ptxas gives it 128 registers at BT 1 with 8 warps for 5 sources, 232 for 9; 16 warps at 128 (84 B
 # spilled at 9 sources) joined the space. The tuning picked BT 1 at 4 warps for every key on the H200 and all but
@@ -104,37 +110,41 @@ def rms_norm(b_h, b_g, eps, D: tl.constexpr):
 @autotune(FWD_SPACE, key=TUNING_KEY)
 @triton.jit
 def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
-                        BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr):
-    """y = mixture (RMSNorm'ed with g if NORM) of BT rows; logits: their ``r_i x_i·w`` over the N sources."""
-    o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+                        BD: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr,
+                        STAGES: tl.constexpr):
+    """y = mixture (RMSNorm'ed with g if NORM) of the program's ROWS rows, BT at a time, STAGES deep; logits: their
+    ``r_i x_i·w`` over the N sources."""
     o_d = tl.arange(0, BD)
-    m_t, m_d = o_t < T, o_d < D
-    m = m_t[:, None] & m_d[None, :]
+    m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
-    b_max = tl.full([BT], float("-inf"), tl.float32)
-    b_sum = tl.zeros([BT], dtype=tl.float32)
-    b_acc = tl.zeros([BT, BD], dtype=tl.float32)
-    # Every source's rows loaded before the first reduction: a load after a reduction's barrier waits for it, one
-    # memory latency per source (see the backward); the logits are stored after the loop.
-    xs, rs, ss = (), (), ()
-    for i in tl.static_range(N):
-        xs = xs + (tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.),)
-        rs = rs + (tl.load(rms[i] + o_t, mask=m_t, other=0.),)
-    for i in tl.static_range(N):
-        b_x = xs[i].to(tl.float32)
-        s_i = tl.sum(b_x * b_w[None, :], 1) * rs[i]
-        ss = ss + (s_i,)
-        new_max = tl.maximum(b_max, s_i)
-        scale, p = tl.exp(b_max - new_max), tl.exp(s_i - new_max)
-        b_acc = b_acc * scale[:, None] + p[:, None] * b_x
-        b_sum = b_sum * scale + p
-        b_max = new_max
-    for i in tl.static_range(N):
-        tl.store(logits + o_t * N + i, ss[i], mask=m_t)
-    b_mix = b_acc / b_sum[:, None]
-    if NORM:
-        b_mix = rms_norm(b_mix, tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32), eps, D)
-    tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
+    for r in tl.range(0, ROWS // BT, num_stages=STAGES):
+        o_t = tl.program_id(0).to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        m = m_t[:, None] & m_d[None, :]
+        b_max = tl.full([BT], float("-inf"), tl.float32)
+        b_sum = tl.zeros([BT], dtype=tl.float32)
+        b_acc = tl.zeros([BT, BD], dtype=tl.float32)
+        # Every source's rows loaded before the first reduction: a load after a reduction's barrier waits for it, one
+        # memory latency per source (see the backward); the logits are stored after the loop.
+        xs, rs, ss = (), (), ()
+        for i in tl.static_range(N):
+            xs = xs + (tl.load(srcs[i] + o_t[:, None] * D + o_d[None, :], mask=m, other=0.),)
+            rs = rs + (tl.load(rms[i] + o_t, mask=m_t, other=0.),)
+        for i in tl.static_range(N):
+            b_x = xs[i].to(tl.float32)
+            s_i = tl.sum(b_x * b_w[None, :], 1) * rs[i]
+            ss = ss + (s_i,)
+            new_max = tl.maximum(b_max, s_i)
+            scale, p = tl.exp(b_max - new_max), tl.exp(s_i - new_max)
+            b_acc = b_acc * scale[:, None] + p[:, None] * b_x
+            b_sum = b_sum * scale + p
+            b_max = new_max
+        for i in tl.static_range(N):
+            tl.store(logits + o_t * N + i, ss[i], mask=m_t)
+        b_mix = b_acc / b_sum[:, None]
+        if NORM:
+            b_mix = rms_norm(b_mix, tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32), eps, D)
+        tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -251,7 +261,7 @@ class AttnResMix(torch.autograd.Function):
         logits = torch.empty(T, n, dtype=torch.float32, device=y.device)
         norm = weight is not None
         meta = dict(N=n, NP=triton.next_power_of_2(n), D=D, BD=triton.next_power_of_2(D), NORM=norm)
-        attn_res_fwd_kernel[lambda m: (triton.cdiv(T, m["BT"]),)](
+        attn_res_fwd_kernel[lambda m: (triton.cdiv(T, m["ROWS"]),)](
             sources, rms, query, weight if norm else query, y, logits, T, eps, **meta)
         ctx.save_for_backward(query, weight, logits, *tensors)
         ctx.meta, ctx.eps, ctx.sinks = meta, eps, sinks

@@ -66,8 +66,16 @@ def conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.con
 # 121 registers, no spills). The first entry of each space, the one the interpreter runs (Triton prunes nothing when
 # a space has one entry), holds whole heads of up to 128 channels for the head L2 norm; on a GPU ``whole_heads``
 # widens the narrower tiles.
-FWD_SPACE = [({"BT": 16, "BC": 128}, 4), ({"BT": 32, "BC": 64}, 4), ({"BT": 16, "BC": 256}, 8),
-             ({"BT": 64, "BC": 64}, 8), ({"BT": 8, "BC": 256}, 4), ({"BT": 4, "BC": 512}, 4), ({"BT": 4, "BC": 256}, 2)]
+# Each program of the forward and dx kernels runs ROWS rows in blocks of BT, STAGES deep (``tl.range``); ROWS = BT
+# and one stage are the single-tile programs tuned so far, of which only 8 × 256 (the H200's forward) and 4 × 512
+# (the rest of both GPUs' picks) ever won and stay. One tile a program left each SM a few small tiles' loads in
+# flight: the forward moved its 268 MB a call at about 2.4 TB/s on the H200 (0.114 ms), dx about the same. With more
+# stages the next blocks' rows are in flight through shared memory while a block is computed. By ptxas (Triton
+# 3.6, sm_90): 56-64 registers single-tile, 79-112 pipelined, no spills, 17-34 KB of shared memory.
+FWD_SPACE = [({"BT": 16, "BC": 128, "ROWS": 64, "STAGES": 2}, 4), ({"BT": 8, "BC": 256, "ROWS": 8, "STAGES": 1}, 4),
+             ({"BT": 4, "BC": 512, "ROWS": 4, "STAGES": 1}, 4), ({"BT": 8, "BC": 256, "ROWS": 64, "STAGES": 2}, 4),
+             ({"BT": 4, "BC": 512, "ROWS": 64, "STAGES": 2}, 4), ({"BT": 8, "BC": 256, "ROWS": 128, "STAGES": 3}, 4),
+             ({"BT": 4, "BC": 512, "ROWS": 128, "STAGES": 3}, 4), ({"BT": 16, "BC": 256, "ROWS": 128, "STAGES": 2}, 8)]
 # da's loop over its ROWS rows runs STAGES deep (``tl.range``): with one stage each row block waited for its loads
 # (0.256 ms a call at the 8k stage on the H200 picked 8 × 128 at 4 warps for both keys: about 37% of the copy
 # bandwidth for its 402 MB), with more the next blocks' taps, positions and dy are in flight through shared memory
@@ -101,18 +109,22 @@ def head_l2norm(y, eps, BT: tl.constexpr, BC: tl.constexpr, HD: tl.constexpr):
 @autotune(FWD_SPACE, key=["C", "W", "NORM"], prune_configs_by={"early_config_prune": whole_heads})
 @triton.jit
 def short_conv_fwd_kernel(x, w, pos, y, T, C, x_rows, eps, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          X_ALIGN: tl.constexpr, NORM: tl.constexpr, HD: tl.constexpr):
-    """y = silu(pre-activation), divided by its L2 norm over each head of HD channels with NORM."""
+                          ROWS: tl.constexpr, STAGES: tl.constexpr, X_ALIGN: tl.constexpr, NORM: tl.constexpr,
+                          HD: tl.constexpr):
+    """y = silu(pre-activation), divided by its L2 norm over each head of HD channels with NORM, for the program's
+    ROWS rows in blocks of BT, STAGES deep."""
     stride_x = x_rows * X_ALIGN
-    o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    m_t, m_c = o_t < T, o_c < C
-    acc, _ = conv_at(x, w, pos, o_t, m_t, o_c, m_c, stride_x, W, BT, BC)
-    b_y = acc * tl.sigmoid(acc)
-    if NORM:
-        y3, r = head_l2norm(b_y, eps, BT, BC, HD)
-        b_y = tl.reshape(y3 * r[:, :, None], (BT, BC))
-    tl.store(y + o_t[:, None] * C + o_c[None, :], b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    m_c = o_c < C
+    for r in tl.range(0, ROWS // BT, num_stages=STAGES):
+        o_t = tl.program_id(0).to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        acc, _ = conv_at(x, w, pos, o_t, m_t, o_c, m_c, stride_x, W, BT, BC)
+        b_y = acc * tl.sigmoid(acc)
+        if NORM:
+            y3, rn = head_l2norm(b_y, eps, BT, BC, HD)
+            b_y = tl.reshape(y3 * rn[:, :, None], (BT, BC))
+        tl.store(y + o_t[:, None] * C + o_c[None, :], b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
 
 @autotune(DA_SPACE, key=["C", "W", "NORM"], prune_configs_by={"early_config_prune": whole_heads})
@@ -162,25 +174,27 @@ def short_conv_bwd_da_kernel(x, w, pos, dy, da, dw, T, C, x_rows, eps, W: tl.con
 @autotune(FWD_SPACE, key=["C", "W"])
 @triton.jit
 def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, dx_rows, W: tl.constexpr, BT: tl.constexpr,
-                             BC: tl.constexpr, DX_ALIGN: tl.constexpr):
+                             BC: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, DX_ALIGN: tl.constexpr):
     """dx[t] = Σ_j w[:, j] da[t + j] over the rows t + j whose tap j stays inside their document (pos ≥ j); dx's
     rows ``dx_rows * DX_ALIGN`` apart (a group's columns of the whole input's gradient, or of a joint projection's
     output gradient: see ``row_alignment`` for the split stride)."""
     stride_dx = dx_rows * DX_ALIGN
-    o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    m_t, m_c = o_t < T, o_c < C
-    b_dx = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(W):
-        o_s = o_t + j
-        m_s = o_s < T
-        b_pos = tl.load(pos + o_s, mask=m_s, other=0)
-        b_da = tl.load(da + o_s[:, None] * C + o_c[None, :], mask=(m_s & (b_pos >= j))[:, None] & m_c[None, :],
-                       other=0.)
-        b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
-        b_dx += b_da.to(tl.float32) * b_w[None, :]
-    tl.store(dx + o_t[:, None] * stride_dx + o_c[None, :], b_dx.to(dx.dtype.element_ty),
-             mask=m_t[:, None] & m_c[None, :])
+    m_c = o_c < C
+    for r in tl.range(0, ROWS // BT, num_stages=STAGES):
+        o_t = tl.program_id(0).to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        b_dx = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            o_s = o_t + j
+            m_s = o_s < T
+            b_pos = tl.load(pos + o_s, mask=m_s, other=0)
+            b_da = tl.load(da + o_s[:, None] * C + o_c[None, :], mask=(m_s & (b_pos >= j))[:, None] & m_c[None, :],
+                           other=0.)
+            b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
+            b_dx += b_da.to(tl.float32) * b_w[None, :]
+        tl.store(dx + o_t[:, None] * stride_dx + o_c[None, :], b_dx.to(dx.dtype.element_ty),
+                 mask=m_t[:, None] & m_c[None, :])
 
 
 def row_alignment(x: torch.Tensor) -> int:
@@ -206,7 +220,7 @@ class ShortConvSiLU(torch.autograd.Function):
         T, CG = x.shape[0], x.shape[1] // groups
         align = row_alignment(x)
         ys = tuple(torch.empty(T, CG, dtype=x.dtype, device=x.device) for _ in range(groups))
-        grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(CG, meta["BC"]))  # noqa: E731
+        grid = lambda meta: (triton.cdiv(T, meta["ROWS"]), triton.cdiv(CG, meta["BC"]))  # noqa: E731
         for g, y in enumerate(ys):
             short_conv_fwd_kernel[grid](x[:, g * CG:], weight[g * CG:], positions, y, T, CG, x.stride(0) // align,
                                         L2_EPS, W=weight.shape[1], X_ALIGN=align, NORM=g < norm[0], HD=norm[1])
@@ -238,7 +252,7 @@ class ShortConvSiLU(torch.autograd.Function):
             short_conv_bwd_da_kernel[lambda meta: (n_programs, triton.cdiv(CG, meta["BC"]))](
                 x[:, cols], weight[cols], positions, dy.contiguous(), da, dw, T, CG, x.stride(0) // align, L2_EPS,
                 W=W, WP=triton.next_power_of_2(W), ROWS=BWD_ROWS, X_ALIGN=align, NORM=g < ctx.norm[0], HD=ctx.norm[1])
-            short_conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(CG, meta["BC"]))](
+            short_conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["ROWS"]), triton.cdiv(CG, meta["BC"]))](
                 da, weight[cols], positions, dx[:, cols], T, CG, dx.stride(0) // dx_align, W=W, DX_ALIGN=dx_align)
             torch.sum(dw, 0, out=dweight[cols])
         return (dx if ctx.grad_into is None else None), dweight.to(weight.dtype), None, None, None, None

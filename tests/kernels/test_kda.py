@@ -494,8 +494,8 @@ def test_ptxas_report_compiles_every_kernel_for_hopper() -> None:
     kernels, the two AttnRes ones, the four of AttnRes in two phases and the MoE SwiGLU pair; no short-convolution,
     SwiGLU, AttnRes forward or merge config spills more than 8 B per thread (one short-convolution da tile spills
     8), and the AttnRes backward configs (unrolled over nine sources, or eight finished blocks for five queries)
-    spill under 256 B: the 128-register and 16-warp ones trade spills for a second block per SM, as the tuning
-    spaces in ``kernels.attn_res`` were chosen."""
+    spill under 256 B: the 4-warp ones spill at nine sources (a second block per SM for some spills, as the tuning
+    spaces in ``kernels.attn_res`` were chosen)."""
     import os
     import subprocess
 

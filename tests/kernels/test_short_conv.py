@@ -113,8 +113,8 @@ def test_kernels_load_rows_of_a_16_byte_stride_in_vectors() -> None:
     slice specialises them (pointers and the channel count divisible by 16, the row stride 4,232 not): x's tiles
     load as 16-byte vectors once the stride's alignment is a constexpr (2-byte loads while it was not known to
     Triton, before 2026-12-06), one or more for each of the 4 taps; and the dx kernel stores its rows in vectors into
-    a gradient of that stride (a ``ColumnSink``'s). The da kernel's loop unpipelined (one stage): pipelined, its
-    loads are 16-byte ``cp.async`` copies instead."""
+    a gradient of that stride (a ``ColumnSink``'s). Each kernel's loop over rows unpipelined (one stage): pipelined,
+    its loads are 16-byte ``cp.async`` copies instead (``test_pipelined_loops.py``)."""
     import os
     import subprocess
 
@@ -123,10 +123,11 @@ from kernels.ptxas_report import compile_for_hopper, jit_function
 from kernels.short_conv import conv
 from kernels.tuning import config
 plain = dict(NORM=False, HD=1)
-for fn, constants, align, op in [(conv.short_conv_fwd_kernel, dict(W=4, BT=16, BC=128) | plain, "X_ALIGN", "ld"),
+one_tile = dict(W=4, BT=16, BC=128, ROWS=16, STAGES=1)
+for fn, constants, align, op in [(conv.short_conv_fwd_kernel, one_tile | plain, "X_ALIGN", "ld"),
                                  (conv.short_conv_bwd_da_kernel,
                                   dict(W=4, WP=4, ROWS=512, BT=16, BC=64, STAGES=1) | plain, "X_ALIGN", "ld"),
-                                 (conv.short_conv_bwd_dx_kernel, dict(W=4, BT=16, BC=128), "DX_ALIGN", "st")]:
+                                 (conv.short_conv_bwd_dx_kernel, one_tile, "DX_ALIGN", "st")]:
     names = jit_function(fn).arg_names
     divisible = tuple(n for n in ("x", "w", "pos", "y", "dy", "da", "dw", "dx", "C") if n in names)
     print(*(compile_for_hopper(fn, constants | {align: a}, config({}, 4), divisible=divisible).asm["ptx"]
