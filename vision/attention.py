@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import os
 import types
 import warnings
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 __all__ = ["DocumentMask", "backend_for", "cuda_backend", "document_block_mask", "document_ids", "document_mask",
-           "document_attention", "varlen_flash_attention"]
+           "document_attention", "flex_kernel_options", "varlen_flash_attention"]
 
 TILE = 128  # FlexAttention's default block size, both ways
 BACKENDS = ("varlen", "flex")
@@ -52,9 +53,37 @@ DEFAULT_CUDA_BACKEND = "flex/varlen"
 warnings.filterwarnings("ignore", message="Online softmax is disabled on the fly", category=UserWarning)
 
 
+# FlexAttention's kernel options for document masks: every query sees at least itself (a segment holds its own
+# diagonal, the padding tail being one more segment), so the kernels need not guard rows with no visible key.
+# ``LONGWEAVE_FLEX_OPTIONS`` adds to them per kind of mask, as JSON with the keys "causal" (the decoder's documents)
+# and "bidirectional" (the tower's images): block sizes, warps and stages to try in a run (their names are
+# FlexAttention's: ``fwd_BLOCK_M``, ``bwd_BLOCK_N1``, ``num_warps`` …; ``vision.attention_bench --flex-options``
+# times them side by side).
+FLEX_OPTIONS = {"ROWS_GUARANTEED_SAFE": True}
+FLEX_OPTIONS_KINDS = ("causal", "bidirectional")
+
+
+def flex_kernel_options(causal: bool) -> dict:
+    """``FLEX_OPTIONS`` with what ``LONGWEAVE_FLEX_OPTIONS`` gives this kind of mask."""
+    return FLEX_OPTIONS | _flex_options_setting(os.environ.get("LONGWEAVE_FLEX_OPTIONS", "{}"))[int(not causal)]
+
+
+@functools.cache
+def _flex_options_setting(text: str) -> tuple[dict, dict]:
+    try:
+        setting = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"LONGWEAVE_FLEX_OPTIONS: not JSON ({e}): {text!r}") from None
+    if not isinstance(setting, dict) or set(setting) - set(FLEX_OPTIONS_KINDS) or not all(
+            isinstance(v, dict) for v in setting.values()):
+        raise ValueError(f"LONGWEAVE_FLEX_OPTIONS: must be a JSON object of kernel options under the keys "
+                         f"{FLEX_OPTIONS_KINDS}, got {text!r}")
+    return tuple(setting.get(kind, {}) for kind in FLEX_OPTIONS_KINDS)
+
+
 def _flex_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
-                         scale: float | None) -> torch.Tensor:
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+                         scale: float | None, kernel_options: dict) -> torch.Tensor:
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
 
 
 @functools.cache
@@ -226,8 +255,9 @@ def compact_if_huge(x: torch.Tensor, limit: int = INT32_EXTENT) -> torch.Tensor:
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask,
-                       scale: float | None = None) -> torch.Tensor:
-    """Softmax attention inside segments. q, k ``[1, H, T, Dk]``, v ``[1, H, T, Dv]`` -> ``[1, H, T, Dv]``."""
+                       scale: float | None = None, flex_options: dict | None = None) -> torch.Tensor:
+    """Softmax attention inside segments. q, k ``[1, H, T, Dk]``, v ``[1, H, T, Dv]`` -> ``[1, H, T, Dv]``.
+    ``flex_options``: FlexAttention's kernel options in place of ``flex_kernel_options``'s (a benchmark's)."""
     if q.shape[0] != 1 or q.shape[2] != mask.length:
         raise ValueError(f"q: expected [1, H, {mask.length}, D], got {tuple(q.shape)}")
     if mask.cu_seqlens is not None or mask.block_mask is not None:
@@ -239,6 +269,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         out = varlen_flash_attention(*rows, mask.cu_seqlens, mask.max_length, causal=mask.causal, scale=scale)
         return out.transpose(0, 1).unsqueeze(0)
     if mask.block_mask is not None:
-        return _compiled_flex_attention(mask.causal)(q, k, v, mask.block_mask, scale)
+        options = flex_kernel_options(mask.causal) if flex_options is None else flex_options
+        return _compiled_flex_attention(mask.causal)(q, k, v, mask.block_mask, scale, options)
     return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=mask.causal,
                                                      scale=scale) for a, b in mask.bounds], dim=2)

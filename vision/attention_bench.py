@@ -3,6 +3,10 @@ CUDA path) beside PyTorch's variable-length flash attention (``torch.nn.attentio
 
     python -m vision.attention_bench [--tokens 131072] [--sample 8192] [--heads 8] [--head-dim 128] [--json out]
 
+``--flex-options JSON [JSON ...]`` adds a FlexAttention run per set of kernel options (on top of
+``vision.attention.FLEX_OPTIONS``; e.g. ``'{"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+"bwd_BLOCK_N2": 32}'``), named flex1, flex2 … in the table, to choose a ``LONGWEAVE_FLEX_OPTIONS`` for the stage.
+
 The default case is an MLA layer of ``small`` at the 8k stage: 131,072 tokens in 16 samples of 8,192, each sample cut
 into documents at random points (``--docs-per-sample`` on average), causal inside each document. ``--bidirectional
 --heads 8 --head-dim 64 --sample 392 --docs-per-sample 1`` is the vision tower's case (images of 392 patches, about
@@ -14,12 +18,13 @@ backward. Times are medians of ``triton.testing.do_bench`` (CUDA events).
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 
 import torch
 
 from kernels.benchmarking import append_json_lines, fwd_bwd_times
-from vision.attention import BACKENDS, document_attention, document_mask
+from vision.attention import BACKENDS, FLEX_OPTIONS, document_attention, document_mask
 
 PEAK_TFLOPS = 791.0   # measured H200 dense bf16 GEMM ceiling (DESIGN.md)
 
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--bidirectional", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flex-options", nargs="*", default=[], metavar="JSON",
+                        help="kernel options of one more FlexAttention run each")
     parser.add_argument("--json", help="append one JSON line per implementation here")
     args = parser.parse_args(argv)
     causal = not args.bidirectional
@@ -69,18 +76,26 @@ def main(argv: list[str] | None = None) -> None:
     # [T, H, D] rows as the model's projections give them, viewed [1, H, T, D] as the model's layers pass them.
     q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
-    def attention(mask):  # noqa: ANN001, ANN202
-        return lambda *qkv: document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in qkv), mask)[0].transpose(0, 1)
+    def attention(mask, options=None):  # noqa: ANN001, ANN202
+        return lambda *qkv: document_attention(*(t.transpose(0, 1).unsqueeze(0) for t in qkv), mask,
+                                               flex_options=options)[0].transpose(0, 1)
 
     impls = {name: attention(mask) for name, mask in masks.items()}
+    variants = {f"flex{i + 1}": FLEX_OPTIONS | json.loads(text) for i, text in enumerate(args.flex_options)}
+    impls |= {name: attention(masks["flex"], options) for name, options in variants.items()}
+    # Each set of options is a recompile of the one compiled FlexAttention of this kind of mask.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(impls))
+    for name, options in variants.items():
+        print(f"{name}: {options}")
     with torch.no_grad():
         outs = {name: fn(q, k, v).float() for name, fn in impls.items()}
-    err = ((outs["varlen"] - outs["flex"]).norm() / outs["flex"].norm()).item()
-    print(f"{len(lengths)} segments, longest {max(lengths)}, causal={causal}; "
-          f"varlen vs flex relative difference {err:.2e}")
+    diffs = ", ".join(f"{name} {((out - outs['flex']).norm() / outs['flex'].norm()).item():.2e}"
+                      for name, out in outs.items() if name != "flex")
+    print(f"{len(lengths)} segments, longest {max(lengths)}, causal={causal}; relative difference from flex: {diffs}")
     del outs
     flops = 4.0 * H * D * visible_pairs(lengths, causal)
-    rows = [measure(name, fn, q, k, v, flops) | dict(T=T, H=H, D=D, causal=causal, segments=len(lengths))
+    rows = [measure(name, fn, q, k, v, flops) | dict(T=T, H=H, D=D, causal=causal, segments=len(lengths),
+                                                     options=variants.get(name))
             for name, fn in impls.items()]
     base = rows[0]
     print(f"{'impl':>8} {'fwd ms':>8} {'bwd ms':>8} {'fwd TFLOP/s':>12} {'bwd TFLOP/s':>12} {'f+b vs flex':>12}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vision.attention import BACKENDS, backend_for, cuda_backend, document_attention, document_mask
+from vision.attention import (BACKENDS, backend_for, cuda_backend, document_attention, document_mask,
+                              flex_kernel_options)
 
 
 def test_varlen_mask_carries_device_bounds_and_the_longest_segment() -> None:
@@ -61,6 +62,20 @@ def test_gpu_backends_match_the_segment_reference(backend: str, causal: bool) ->
     got = run(document_mask(cu, T, causal=causal, backend=backend, device="cuda"), torch.bfloat16)
     errors = [((g - r).norm() / r.norm()).item() for g, r in zip(got, ref)]
     assert max(errors) <= 2e-2, errors
+
+
+def test_flex_options_add_to_the_defaults_per_kind_of_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every document mask shows each query its own key, so both kinds run with ``ROWS_GUARANTEED_SAFE``;
+    ``LONGWEAVE_FLEX_OPTIONS`` adds options to one kind or both, and a malformed setting is refused by name."""
+    monkeypatch.delenv("LONGWEAVE_FLEX_OPTIONS", raising=False)
+    assert flex_kernel_options(True) == flex_kernel_options(False) == {"ROWS_GUARANTEED_SAFE": True}
+    monkeypatch.setenv("LONGWEAVE_FLEX_OPTIONS", '{"causal": {"bwd_BLOCK_M1": 32, "num_warps": 4}}')
+    assert flex_kernel_options(True) == {"ROWS_GUARANTEED_SAFE": True, "bwd_BLOCK_M1": 32, "num_warps": 4}
+    assert flex_kernel_options(False) == {"ROWS_GUARANTEED_SAFE": True}
+    for bad in ('{"decoder": {}}', '{"causal": 4}', "[1]", "{causal"):
+        monkeypatch.setenv("LONGWEAVE_FLEX_OPTIONS", bad)
+        with pytest.raises(ValueError, match="LONGWEAVE_FLEX_OPTIONS"):
+            flex_kernel_options(True)
 
 
 def test_each_kind_of_mask_compiles_flex_attention_apart() -> None:
