@@ -42,16 +42,25 @@ BWD_ROWS = 512
 
 
 @triton.jit
-def conv_at(x, w, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def tap_weights(w, o_c, m_c, W: tl.constexpr):
+    """The W taps' weights of channels o_c, float32 ``[BC]`` each: loaded once, before a program's loop over rows."""
+    ws = ()
+    for i in tl.static_range(W):
+        ws = ws + (tl.load(w + o_c * W + i, mask=m_c, other=0.).to(tl.float32),)
+    return ws
+
+
+@triton.jit
+def conv_at(x, ws, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Pre-activation ``Σ_i w[c, i] x[s − i]`` of rows o_s over the taps that stay inside row s's document
-    (``pos[s] ≥ i``) and the sequence (``s ≥ i``), in float32; and ``pos[s]``."""
+    (``pos[s] ≥ i``) and the sequence (``s ≥ i``), in float32, the taps' weights ``ws`` (``tap_weights``); and
+    ``pos[s]``."""
     b_pos = tl.load(pos + o_s, mask=m_s, other=0)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(W):
-        b_w = tl.load(w + o_c * W + i, mask=m_c, other=0.).to(tl.float32)
         m = (m_s & (b_pos >= i) & (o_s >= i))[:, None] & m_c[None, :]
         b_x = tl.load(x + (o_s - i)[:, None] * stride_x + o_c[None, :], mask=m, other=0.).to(tl.float32)
-        acc += b_x * b_w[None, :]
+        acc += b_x * ws[i][None, :]
     return acc, b_pos
 
 
@@ -116,10 +125,11 @@ def short_conv_fwd_kernel(x, w, pos, y, T, C, x_rows, eps, W: tl.constexpr, BT: 
     stride_x = x_rows * X_ALIGN
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = o_c < C
+    ws = tap_weights(w, o_c, m_c, W)
     for r in tl.range(0, ROWS // BT, num_stages=STAGES):
         o_t = tl.program_id(0).to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
-        acc, _ = conv_at(x, w, pos, o_t, m_t, o_c, m_c, stride_x, W, BT, BC)
+        acc, _ = conv_at(x, ws, pos, o_t, m_t, o_c, m_c, stride_x, W, BT, BC)
         b_y = acc * tl.sigmoid(acc)
         if NORM:
             y3, rn = head_l2norm(b_y, eps, BT, BC, HD)
@@ -181,6 +191,7 @@ def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, dx_rows, W: tl.constexpr, BT:
     stride_dx = dx_rows * DX_ALIGN
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = o_c < C
+    ws = tap_weights(w, o_c, m_c, W)
     for r in tl.range(0, ROWS // BT, num_stages=STAGES):
         o_t = tl.program_id(0).to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
@@ -191,8 +202,7 @@ def short_conv_bwd_dx_kernel(da, w, pos, dx, T, C, dx_rows, W: tl.constexpr, BT:
             b_pos = tl.load(pos + o_s, mask=m_s, other=0)
             b_da = tl.load(da + o_s[:, None] * C + o_c[None, :], mask=(m_s & (b_pos >= j))[:, None] & m_c[None, :],
                            other=0.)
-            b_w = tl.load(w + o_c * W + j, mask=m_c, other=0.).to(tl.float32)
-            b_dx += b_da.to(tl.float32) * b_w[None, :]
+            b_dx += b_da.to(tl.float32) * ws[j][None, :]
         tl.store(dx + o_t[:, None] * stride_dx + o_c[None, :], b_dx.to(dx.dtype.element_ty),
                  mask=m_t[:, None] & m_c[None, :])
 
