@@ -117,6 +117,7 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_g = tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32)  # g is w when not NORM: loaded, never used
     for r in tl.range(0, ROWS // BT, num_stages=STAGES):
         o_t = tl.program_id(0).to(tl.int64) * ROWS + r * BT + tl.arange(0, BT)
         m_t = o_t < T
@@ -143,7 +144,7 @@ def attn_res_fwd_kernel(srcs, rms, w, g, y, logits, T, eps, N: tl.constexpr, NP:
             tl.store(logits + o_t * N + i, ss[i], mask=m_t)
         b_mix = b_acc / b_sum[:, None]
         if NORM:
-            b_mix = rms_norm(b_mix, tl.load(g + o_d, mask=m_d, other=0.).to(tl.float32), eps, D)
+            b_mix = rms_norm(b_mix, b_g, eps, D)
         tl.store(y + o_t[:, None] * D + o_d[None, :], b_mix.to(y.dtype.element_ty), mask=m)
 
 
