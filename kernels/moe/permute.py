@@ -1,10 +1,15 @@
-"""Token permutation: sort the (token, slot) pairs by expert, gather rows into expert order, sum them back.
+"""Token permutation: sort the (token, slot) pairs by expert, spread rows into expert order, sum them back.
 
-The two are each other's transpose, and both directions are gathers, never atomics: the permutation's backward and
-the combine's forward sum each token's k rows through the inverse permutation; the combine's backward and the
-permutation's forward copy each token's row to its k slots. So the results are deterministic and every row is summed
-in one place (fp32 in the Triton kernel). The gates are not applied here but to the experts' activations
-(``swiglu(..., scale=)``), so the combine keeps no `[T·k, d]` expert outputs for their gradient.
+The two are each other's transpose, and neither uses atomics: the permutation's backward and the combine's forward
+sum each token's k rows through the inverse permutation (a gather); the combine's backward and the permutation's
+forward copy each token's row to its k slots (each slot written once). So the results are deterministic and every
+row is summed in one place (fp32 in the Triton kernel). The gates are not applied here but to the experts'
+activations (``swiglu(..., scale=)``), so the combine keeps no `[T·k, d]` expert outputs for their gradient.
+
+The copy to the k slots runs token by token (``spread_rows``): each token's row is read once and written k times.
+As a gather of the `T·k` slots (``index_select`` by token, sorted by expert) it read each token's row k times, in
+expert order, from a `[T, d]` source larger than L2 at the 8k stage (134 MB): about 1.07 GB moved a call against
+0.67 (65,536 tokens, top-4, d = 1,024), twice a MoE layer (the first expert GEMM's input, the combine's gradient).
 """
 from __future__ import annotations
 
@@ -86,6 +91,37 @@ def gather_sum(y: torch.Tensor, pos: torch.Tensor, top_k: int, into: torch.Tenso
     return out
 
 
+@triton.jit
+def spread_rows_kernel(x_ptr, pos_ptr, out_ptr, D, TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[pos[t·k + j], cols] = x[t, cols] for the k slots j of token t."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = cols < D
+    j = tl.arange(0, K_POW2)
+    mask_j = j < TOP_K
+    rows = tl.load(pos_ptr + t * TOP_K + j, mask=mask_j, other=0)
+    x = tl.load(x_ptr + t * D + cols, mask=m_d, other=0.0)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], tl.broadcast_to(x[None, :], (K_POW2, BLOCK_D)),
+             mask=mask_j[:, None] & m_d[None, :])
+
+
+def spread_rows(x: torch.Tensor, pos: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Triton launch: `[T·k, d]` in expert order, row ``pos[t·k + j]`` a copy of x's row t (x `[T, d]`)."""
+    x = x.contiguous()
+    n_tokens, d = x.shape
+    out = torch.empty(n_tokens * top_k, d, dtype=x.dtype, device=x.device)
+    block_d = min(triton.next_power_of_2(d), 1024 if x.is_cuda else 64)
+    spread_rows_kernel[(n_tokens, triton.cdiv(d, block_d))](x, pos, out, d, TOP_K=top_k,
+                                                            K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d)
+    return out
+
+
+def _spread_slots(x: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool
+                  ) -> torch.Tensor:
+    """`[T·k, d]`: slot p's row is x's row token[p] (pos, its inverse: token t's slots)."""
+    return spread_rows(x, pos, top_k) if use_triton else x.index_select(0, token)
+
+
 def _sum_slots(y: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
     """`[T, d]`: token t's row is the sum of y's rows pos[t·k + j] over j."""
     if use_triton:
@@ -101,7 +137,7 @@ class PermuteFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool) -> torch.Tensor:
         ctx.save_for_backward(pos)
         ctx.top_k, ctx.use_triton = top_k, use_triton
-        return x.index_select(0, token)
+        return _spread_slots(x, token, pos, top_k, use_triton)
 
     @staticmethod
     def backward(ctx, dxs: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
@@ -110,41 +146,42 @@ class PermuteFunction(torch.autograd.Function):
 
 
 class CombineFunction(torch.autograd.Function):
-    """out[t] = Σ_j y[pos[t·k + j]]; backward dy[p] = dout[token[p]] (the permutation's forward). Only an index
-    vector is saved: the gates were applied before the experts' down projection."""
+    """out[t] = Σ_j y[pos[t·k + j]]; backward dy[p] = dout[token[p]] (the permutation's forward). Only the index
+    vectors are saved: the gates were applied before the experts' down projection."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, top_k: int, use_triton: bool
                 ) -> torch.Tensor:
-        ctx.save_for_backward(token)
+        ctx.save_for_backward(token, pos)
+        ctx.top_k, ctx.use_triton = top_k, use_triton
         return _sum_slots(y, pos, top_k, use_triton)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        (token,) = ctx.saved_tensors
-        return dout.index_select(0, token), None, None, None, None
+        token, pos = ctx.saved_tensors
+        return _spread_slots(dout, token, pos, ctx.top_k, ctx.use_triton), None, None, None, None
 
 
 class SpreadGroupedMMFunction(torch.autograd.Function):
     """h = grouped_mm(permute(x), w): the experts' first GEMM reading the tokens through the permutation. Given the
     ``GradSink`` x was ``sinked`` with, the gather-sum that makes x's gradient adds it there. Unless
     ``keep_rows``, saves the tokens `[T, d]` (alive anyway: the router's input) instead of their permuted copy
-    `[T·k, d]`, and gathers that copy again in the backward for the weight gradient: one gather of T·k rows against
+    `[T·k, d]`, and spreads that copy again in the backward for the weight gradient: one copy of T·k rows against
     keeping them from the forward to the backward (1 GiB per MoE layer at 131K tokens, top-4, d = 1024). Where that
     memory is free (a recomputed layer keeps them only from its recompute to its backward) or to spare, keeping
-    them saves the gather (81 ms of an 8k step on the H200, 2026-12-06)."""
+    them saves the copy (81 ms of an 8k step on the H200 as a gather, 2026-12-06)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, token: torch.Tensor, pos: torch.Tensor,  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, pos: torch.Tensor,  # noqa: ANN001
                 top_k: int, backend: str, keep_rows: bool, sink: GradSink | None) -> torch.Tensor:
-        rows = x.index_select(0, token)
-        ctx.save_for_backward(rows if keep_rows else x, w, offs, token, pos)
+        rows = spread_rows(x, pos, top_k)
+        ctx.save_for_backward(rows if keep_rows else x, w, offs, pos)
         ctx.top_k, ctx.backend, ctx.keep_rows, ctx.sink = top_k, backend, keep_rows, sink
         return grouped_mm_nograd(rows, w, offs, backend)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        saved, w, offs, token, pos = ctx.saved_tensors
+        saved, w, offs, pos = ctx.saved_tensors
         dh = dh.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
@@ -155,9 +192,9 @@ class SpreadGroupedMMFunction(torch.autograd.Function):
             else:
                 sink.grad = gather_sum(dxs, pos, ctx.top_k, into=sink.grad)
         if ctx.needs_input_grad[1]:
-            rows = saved if ctx.keep_rows else saved.index_select(0, token)
+            rows = saved if ctx.keep_rows else spread_rows(saved, pos, ctx.top_k)
             dw = grouped_wgrad_nograd(rows, dh, offs, ctx.backend)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def spread_grouped_mm(x: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, backend: str, keep_rows: bool = False,
@@ -169,12 +206,12 @@ def spread_grouped_mm(x: torch.Tensor, w: torch.Tensor, plan: RoutingPlan, backe
     backend = resolve_backend(backend, x)
     if backend == "loop":
         return loop_grouped_mm(permute(x, plan, backend), w, plan.offs)
-    return SpreadGroupedMMFunction.apply(x, w, plan.offs, plan.token, plan.pos, plan.top_k, backend, keep_rows, sink)
+    return SpreadGroupedMMFunction.apply(x, w, plan.offs, plan.pos, plan.top_k, backend, keep_rows, sink)
 
 
 def permute(x: torch.Tensor, plan: RoutingPlan, backend: str = "auto") -> torch.Tensor:
-    """Gather x `[T, d]` into expert order -> `[T·k, d]` (one row per slot). The backward's
-    gather-sum runs in Triton unless backend resolves to the loop reference."""
+    """Copy x `[T, d]` into expert order -> `[T·k, d]` (one row per slot). Both ways run in Triton (the spread
+    forward, the gather-sum backward) unless backend resolves to the loop reference."""
     return PermuteFunction.apply(x, plan.token, plan.pos, plan.top_k, resolve_backend(backend, x) != "loop")
 
 

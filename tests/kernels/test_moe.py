@@ -120,6 +120,21 @@ def test_permute_and_combine_are_transposes() -> None:
     assert rel_err(out, ref) <= 1e-6 and rel_err(grad, ref_grad) <= 1e-6
 
 
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="a Triton kernel: CUDA or the interpreter")
+@pytest.mark.parametrize("top_k, d", [(3, 100), (4, 64)])
+def test_spread_rows_copies_each_token_to_its_slots(top_k: int, d: int) -> None:
+    """The permutation's copy, token by token: row ``pos[t·k + j]`` of the result is token t's row, exactly the
+    gather by slot (``index_select`` by ``token``), for a k that is not a power of two and rows wider than one
+    column block (under the interpreter a block holds 64)."""
+    from kernels.moe.permute import spread_rows
+
+    fresh_seed()
+    t, e = 37, 7
+    x = torch.randn(t, d, device=DEVICE).to(torch.bfloat16)
+    plan = plan_routing(torch.stack([torch.randperm(e)[:top_k] for _ in range(t)]).to(DEVICE), e)
+    assert torch.equal(spread_rows(x, plan.pos, top_k), x.index_select(0, plan.token))
+
+
 @pytest.mark.parametrize("backend", ["triton", TORCH_FP32])
 def test_layer_saves_no_row_per_slot_of_width_d(backend: str) -> None:
     """No [T·k, d] tensor is kept for the backward: the first expert GEMM gathers its permuted input again for
