@@ -57,7 +57,8 @@ BWD_ROWS = 64
 # BT, one stage) only BT 1 at 2 warps and BT 2 at 2 or 4 ever won a key (the committed picks of 2026-12-07) and
 # stay. A program may also run ROWS rows BT at a time, STAGES deep (``tl.range``: the next rows' sources in flight
 # through shared memory meanwhile). By ptxas (Triton 3.6, sm_90, 5 / 9 sources with the norm): 80-146 / 128-255
-# registers pipelined, no spills, 14-45 KB of shared memory; BT 2 over 32 rows at 2 warps spilled 80 B at 9.
+# registers pipelined, no spills, 14-45 KB of shared memory; BT 2 over 32 rows at 2 warps spilled 80 B at 9. The
+# H100's tuning kept the one-tile configs for every key (2026-12-07).
 FWD_SPACE = [({"BT": 1, "ROWS": 16, "STAGES": 2}, 4), ({"BT": 1, "ROWS": 1, "STAGES": 1}, 2),
              ({"BT": 2, "ROWS": 2, "STAGES": 1}, 2), ({"BT": 2, "ROWS": 2, "STAGES": 1}, 4),
              ({"BT": 1, "ROWS": 16, "STAGES": 2}, 2), ({"BT": 1, "ROWS": 32, "STAGES": 3}, 2),
@@ -70,7 +71,8 @@ FWD_SPACE = [({"BT": 1, "ROWS": 16, "STAGES": 2}, 4), ({"BT": 1, "ROWS": 1, "STA
 # this row's reductions run. One row at a time, each row waited for its loads and then for its reductions with
 # nothing else in flight (about 0.9 ms a call on the H200, half the copy bandwidth by a byte count). By ptxas
 # (Triton 3.6, sm_90, 5 / 9 sources with the norm), 2 stages: 255 / 255 registers at 4 warps (88 B spilled at 9),
-# 169 / 226 at 8 warps, 23 / 39 KB of shared memory; 3 stages: 8 B spilled at 8 warps and 9 sources.
+# 169 / 226 at 8 warps, 23 / 39 KB of shared memory; 3 stages: 8 B spilled at 8 warps and 9 sources. The H100's
+# tuning picked 2 or 3 stages at 4 warps for all six keys, and the step took 0.98x (BENCHMARKS.md, 2026-12-07).
 BWD_SPACE = [({"BT": 1, "STAGES": 2}, 4), ({"BT": 1, "STAGES": 1}, 4), ({"BT": 1, "STAGES": 1}, 8),
              ({"BT": 1, "STAGES": 2}, 8), ({"BT": 1, "STAGES": 3}, 8), ({"BT": 1, "STAGES": 3}, 4)]
 # Tuned per power-of-two class of the source count (NP), not per count: ``small``'s 41 mixtures take 1 to 9 sources,

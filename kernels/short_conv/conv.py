@@ -80,7 +80,8 @@ def conv_at(x, ws, pos, o_s, m_s, o_c, m_c, stride_x, W: tl.constexpr, BT: tl.co
 # (the rest of both GPUs' picks) ever won and stay. One tile a program left each SM a few small tiles' loads in
 # flight: the forward moved its 268 MB a call at about 2.4 TB/s on the H200 (0.114 ms), dx about the same. With more
 # stages the next blocks' rows are in flight through shared memory while a block is computed. By ptxas (Triton
-# 3.6, sm_90): 56-64 registers single-tile, 79-112 pipelined, no spills, 17-34 KB of shared memory.
+# 3.6, sm_90): 56-64 registers single-tile, 79-112 pipelined, no spills, 17-34 KB of shared memory. The H100's
+# tuning kept one tile for the forward and dx (2026-12-07).
 FWD_SPACE = [({"BT": 16, "BC": 128, "ROWS": 64, "STAGES": 2}, 4), ({"BT": 8, "BC": 256, "ROWS": 8, "STAGES": 1}, 4),
              ({"BT": 4, "BC": 512, "ROWS": 4, "STAGES": 1}, 4), ({"BT": 8, "BC": 256, "ROWS": 64, "STAGES": 2}, 4),
              ({"BT": 4, "BC": 512, "ROWS": 64, "STAGES": 2}, 4), ({"BT": 8, "BC": 256, "ROWS": 128, "STAGES": 3}, 4),
@@ -89,7 +90,7 @@ FWD_SPACE = [({"BT": 16, "BC": 128, "ROWS": 64, "STAGES": 2}, 4), ({"BT": 8, "BC
 # (0.256 ms a call at the 8k stage on the H200 picked 8 × 128 at 4 warps for both keys: about 37% of the copy
 # bandwidth for its 402 MB), with more the next blocks' taps, positions and dy are in flight through shared memory
 # meanwhile. By ptxas (Triton 3.6, sm_90, C a multiple of 16 as at launch): 156-186 registers at 1 to 3 stages, no
-# spills, 10-41 KB of shared memory.
+# spills, 10-41 KB of shared memory. The H100's tuning picked 3 stages for both keys (2026-12-07).
 DA_SPACE = [({"BT": 8, "BC": 128, "STAGES": 2}, 4), ({"BT": 8, "BC": 128, "STAGES": 1}, 4),
             ({"BT": 8, "BC": 128, "STAGES": 3}, 4), ({"BT": 16, "BC": 64, "STAGES": 2}, 4),
             ({"BT": 4, "BC": 256, "STAGES": 2}, 4), ({"BT": 16, "BC": 128, "STAGES": 2}, 8),
