@@ -213,8 +213,14 @@ def test_block_attn_res_on_the_kernels_matches_the_reference(monkeypatch: pytest
 
     ref, got = run(naive_attn_res_mix, torch.float64), run(attn_res_mix, torch.float32)
     errors = {k: rel_err(got[k], ref[k]) for k in ref}
-    # Six sublayers of float32 against float64: up to 9.7e-6 over 20 seeds, mostly 1e-6 to 3e-6.
-    assert len(errors) == 2 + 1 + n_sub + 2 * n_sub and max(errors.values()) <= 1e-4, errors
+    float32 = run(naive_attn_res_mix, torch.float32)
+    float32_errors = {k: rel_err(float32[k], ref[k]) for k in ref}
+    # Six sublayers of float32 against float64: up to 9.7e-6 over 20 seeds, mostly 1e-6 to 3e-6; but a seed
+    # (1605052188, blocks of two, kept) put the input's, the queries' and the first norm's gradients at 1.3e-4,
+    # 2.0e-4 and 1.0e-4, with the kernels of 0a914d3 as well: so against the float32 reference's own error, as the
+    # one-mixture test does.
+    assert len(errors) == 2 + 1 + n_sub + 2 * n_sub, errors
+    assert all(err <= max(1e-4, 4 * float32_errors[k]) for k, err in errors.items()), (errors, float32_errors)
 
 
 def test_tuning_restores_exactly_the_sums_the_backward_adds_into() -> None:
