@@ -91,14 +91,18 @@ def pointer_args(fn: JITFunction, constants: dict) -> tuple[str, ...]:
                  if (kind[0] if isinstance(kind, tuple) else kind).startswith("*"))
 
 
+def launch_divisible(fn: JITFunction, constants: dict) -> tuple[str, ...]:
+    """The arguments a launch of ``small`` finds divisible by 16: every pointer, and ``DIVISIBLE_SCALARS``."""
+    return pointer_args(fn, constants) + tuple(n for n in DIVISIBLE_SCALARS if n in fn.arg_names)
+
+
 def report(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, config: triton.Config, stages: int) -> str:
     """One line: the kernel, its config and what ptxas says of it, every pointer 16-byte aligned (as PyTorch's
     allocations are; Triton specialises on it at launch, and vectorises loads only then) and ``DIVISIBLE_SCALARS``
     multiples of 16; and its asynchronous copies (``cp.async``: the loads a pipelined loop puts in flight ahead)."""
     fn = jit_function(kernel)
     cap = {"maxnreg": config.maxnreg} if getattr(config, "maxnreg", None) else {}
-    divisible = pointer_args(fn, constants | config.kwargs) + tuple(n for n in DIVISIBLE_SCALARS if n in fn.arg_names)
-    compiled = compile_for_hopper(kernel, constants, config, stages, divisible)
+    compiled = compile_for_hopper(kernel, constants, config, stages, launch_divisible(fn, constants | config.kwargs))
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
         with open(ptx, "w") as f:

@@ -53,20 +53,19 @@ DEFAULT_CUDA_BACKEND = "flex/varlen"
 warnings.filterwarnings("ignore", message="Online softmax is disabled on the fly", category=UserWarning)
 
 
-# FlexAttention's kernel options for document masks; ``LONGWEAVE_FLEX_OPTIONS`` adds to them per kind of mask, as
-# JSON with the keys "causal" (the decoder's documents) and "bidirectional" (the tower's images): block sizes, warps
-# and stages to try in a run (their names are FlexAttention's: ``fwd_BLOCK_M``, ``bwd_BLOCK_N1``, ``num_warps`` …;
-# ``vision.attention_bench --flex-options`` times them side by side). Not ``ROWS_GUARANTEED_SAFE``, although every
-# query sees at least itself: a query tile that spans two documents reads the first one's partial kv tiles first,
-# where the second document's rows see no key, and without the guard their running max stays -inf and the softmax
-# turns NaN (the 8k stage's first step on an H100, 2026-12-07).
-FLEX_OPTIONS: dict = {}
+# FlexAttention's kernel options for document masks: FlexAttention's defaults, or what ``LONGWEAVE_FLEX_OPTIONS``
+# gives per kind of mask, as JSON with the keys "causal" (the decoder's documents) and "bidirectional" (the tower's
+# images): block sizes, warps and stages to try in a run (their names are FlexAttention's: ``fwd_BLOCK_M``,
+# ``bwd_BLOCK_N1``, ``num_warps`` …; ``vision.attention_bench --flex-options`` times them side by side). Not
+# ``ROWS_GUARANTEED_SAFE``, although every query sees at least itself: a query tile that spans two documents reads
+# the first one's partial kv tiles first, where the second document's rows see no key, and without the guard their
+# running max stays -inf and the softmax turns NaN (the 8k stage's first step on an H100, 2026-12-07).
 FLEX_OPTIONS_KINDS = ("causal", "bidirectional")
 
 
 def flex_kernel_options(causal: bool) -> dict:
-    """``FLEX_OPTIONS`` with what ``LONGWEAVE_FLEX_OPTIONS`` gives this kind of mask."""
-    return FLEX_OPTIONS | _flex_options_setting(os.environ.get("LONGWEAVE_FLEX_OPTIONS", "{}"))[int(not causal)]
+    """The kernel options ``LONGWEAVE_FLEX_OPTIONS`` gives this kind of mask (none unset)."""
+    return dict(_flex_options_setting(os.environ.get("LONGWEAVE_FLEX_OPTIONS", "{}"))[int(not causal)])
 
 
 @functools.cache

@@ -3,9 +3,9 @@ CUDA path) beside PyTorch's variable-length flash attention (``torch.nn.attentio
 
     python -m vision.attention_bench [--tokens 131072] [--sample 8192] [--heads 8] [--head-dim 128] [--json out]
 
-``--flex-options JSON [JSON ...]`` adds a FlexAttention run per set of kernel options (on top of
-``vision.attention.FLEX_OPTIONS``; e.g. ``'{"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
-"bwd_BLOCK_N2": 32}'``), named flex1, flex2 … in the table, to choose a ``LONGWEAVE_FLEX_OPTIONS`` for the stage.
+``--flex-options JSON [JSON ...]`` adds a FlexAttention run per set of kernel options (e.g. ``'{"bwd_BLOCK_M1": 32,
+"bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32}'``), named flex1, flex2 … in the table, to choose a
+``LONGWEAVE_FLEX_OPTIONS`` for the stage.
 
 The default case is an MLA layer of ``small`` at the 8k stage: 131,072 tokens in 16 samples of 8,192, each sample cut
 into documents at random points (``--docs-per-sample`` on average), causal inside each document. ``--bidirectional
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.benchmarking import append_json_lines, fwd_bwd_times
-from vision.attention import BACKENDS, FLEX_OPTIONS, document_attention, document_mask
+from vision.attention import BACKENDS, document_attention, document_mask
 
 PEAK_TFLOPS = 791.0   # measured H200 dense bf16 GEMM ceiling (DESIGN.md)
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                                                flex_options=options)[0].transpose(0, 1)
 
     impls = {name: attention(mask) for name, mask in masks.items()}
-    variants = {f"flex{i + 1}": FLEX_OPTIONS | json.loads(text) for i, text in enumerate(args.flex_options)}
+    variants = {f"flex{i + 1}": json.loads(text) for i, text in enumerate(args.flex_options)}
     impls |= {name: attention(masks["flex"], options) for name, options in variants.items()}
     # Each set of options is a recompile of the one compiled FlexAttention of this kind of mask.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(impls))

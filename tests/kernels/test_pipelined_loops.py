@@ -15,7 +15,7 @@ import torch
 CODE = """
 import re
 from kernels.attn_res import mix
-from kernels.ptxas_report import DIVISIBLE_SCALARS, compile_for_hopper, jit_function, pointer_args
+from kernels.ptxas_report import compile_for_hopper, jit_function, launch_divisible
 from kernels.short_conv import conv
 from kernels.tuning import config
 
@@ -32,8 +32,7 @@ for kernel, constants, warps in cases:
     counts = []
     for stages in (1, 2):
         staged = constants | {"STAGES": stages}
-        divisible = pointer_args(fn, staged) + tuple(n for n in DIVISIBLE_SCALARS if n in fn.arg_names)
-        ptx = compile_for_hopper(kernel, staged, config({}, warps), divisible=divisible).asm["ptx"]
+        ptx = compile_for_hopper(kernel, staged, config({}, warps), divisible=launch_divisible(fn, staged)).asm["ptx"]
         counts += [len(re.findall(r"cp[.]async[.]c[ag][.]", ptx)), len(re.findall(r"ld[.]global", ptx))]
     print(fn.__name__, *counts)
 """

@@ -65,8 +65,8 @@ def test_gpu_backends_match_the_segment_reference(backend: str, causal: bool) ->
 
 
 def test_flex_options_add_to_the_defaults_per_kind_of_mask(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LONGWEAVE_FLEX_OPTIONS`` adds kernel options to one kind of mask or both (none by default: not even
-    ``ROWS_GUARANTEED_SAFE``, see ``FLEX_OPTIONS``), and a malformed setting is refused by name."""
+    """``LONGWEAVE_FLEX_OPTIONS`` gives kernel options to one kind of mask or both (none by default: not even
+    ``ROWS_GUARANTEED_SAFE``, see ``vision.attention``), and a malformed setting is refused by name."""
     monkeypatch.delenv("LONGWEAVE_FLEX_OPTIONS", raising=False)
     assert flex_kernel_options(True) == flex_kernel_options(False) == {}
     monkeypatch.setenv("LONGWEAVE_FLEX_OPTIONS", '{"causal": {"bwd_BLOCK_M1": 32, "num_warps": 4}}')
