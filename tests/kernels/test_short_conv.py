@@ -119,7 +119,7 @@ def test_kernels_load_rows_of_a_16_byte_stride_in_vectors() -> None:
     import subprocess
 
     code = """
-from kernels.ptxas_report import compile_for_hopper, jit_function
+from kernels.ptxas_report import compile_for_hopper, jit_function, launch_divisible
 from kernels.short_conv import conv
 from kernels.tuning import config
 plain = dict(NORM=False, HD=1)
@@ -128,9 +128,8 @@ for fn, constants, align, op in [(conv.short_conv_fwd_kernel, one_tile | plain, 
                                  (conv.short_conv_bwd_da_kernel,
                                   dict(W=4, WP=4, ROWS=512, BT=16, BC=64, STAGES=1) | plain, "X_ALIGN", "ld"),
                                  (conv.short_conv_bwd_dx_kernel, one_tile, "DX_ALIGN", "st")]:
-    names = jit_function(fn).arg_names
-    divisible = tuple(n for n in ("x", "w", "pos", "y", "dy", "da", "dw", "dx", "C") if n in names)
-    print(*(compile_for_hopper(fn, constants | {align: a}, config({}, 4), divisible=divisible).asm["ptx"]
+    print(*(compile_for_hopper(fn, constants | {align: a}, config({}, 4),
+                               divisible=launch_divisible(jit_function(fn), constants | {align: a})).asm["ptx"]
             .count(f"{op}.global.v4") for a in (1, 8)))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
