@@ -2,8 +2,9 @@
 ``chunk_intra.py`` (each copy's whole backward or intra-chunk forward swapped in, so a copy may change what its
 kernels exchange, e.g. the Gram gradients' dtype),
 alternately, under the profiler at 8 x 8K's shape (the 34-document 65,536-token batch of ``kernels.kda.bench``,
-H = 8). The dq/dk/dg kernel runs one config (the H200 and H100 pick by default), every other KDA kernel its first
-config, so nothing is tuned and a cold machine needs about 35 s. Before timing, each side's bf16 gradients are
+H = 8). The dq/dk/dg kernel runs one config (the H200 and H100 pick by default), the forward intra kernel the one
+``--intra-bk`` names (the picks: BK 64, BV 64, 4 warps) or its first, every other KDA kernel its first config, so
+nothing is tuned and a cold machine needs about 35 s. Before timing, each side's bf16 gradients are
 compared with the float32 chunked reference (``test_gpu_bf16_matches_fp32_reference``'s varlen case: the test
 allows 1e-2):
 
@@ -25,7 +26,7 @@ import kernels.kda.bench as bench
 from kernels.kda import chunk, chunk_bwd, chunk_fwd, chunk_intra, l2norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))   # test_kda's helpers, once
-KERNEL = "chunk_kda_bwd_dqkg_kernel"
+KERNEL, INTRA = "chunk_kda_bwd_dqkg_kernel", "chunk_kda_fwd_intra_kernel"
 SWAPPED = ("chunk_kda_bwd", "chunk_kda_fwd_intra")   # what kernels.kda.chunk calls: a copy replaces what it defines
 
 
@@ -36,14 +37,15 @@ def _load(path: str) -> ModuleType:
     return module
 
 
-def _pin_configs(modules: list[ModuleType], bv: int, bk: int, warps: int) -> None:
+def _pin_configs(modules: list[ModuleType], pins: dict[str, tuple[dict[str, int], int]]) -> None:
+    """One config a kernel: ``pins``' (meta-parameters, warps) for the kernels it names, the first for the rest."""
     for module in modules:
         for name, tuner in vars(module).items():
             if isinstance(tuner, Autotuner):
-                keep = [c for c in tuner.configs if name != KERNEL
-                        or (c.kwargs == {"BV": bv, "BK": bk} and c.num_warps == warps)]
+                kwargs, warps = pins.get(name, (None, None))
+                keep = [c for c in tuner.configs if kwargs is None or (c.kwargs == kwargs and c.num_warps == warps)]
                 if not keep:
-                    raise SystemExit(f"{module.__name__}: no config BV {bv} / BK {bk} at {warps} warps in {KERNEL}")
+                    raise SystemExit(f"{module.__name__}: no config {kwargs} at {warps} warps in {name}")
                 tuner.configs, tuner.early_config_prune = keep[:1], None
 
 
@@ -69,12 +71,18 @@ def main() -> None:
     parser.add_argument("--bv", type=int, default=64)
     parser.add_argument("--bk", type=int, default=32)
     parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--intra-bk", type=int, help="the forward intra kernel's BK (default: its first config)")
+    parser.add_argument("--intra-bv", type=int, default=64)
+    parser.add_argument("--intra-warps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     sides = {"tree": chunk_bwd, **{path: _load(path) for path in args.others}}
     tree = {name: getattr(chunk, name) for name in SWAPPED}
     bench.H = 8
-    _pin_configs([chunk_bwd, chunk_fwd, chunk_intra, l2norm, *sides.values()], args.bv, args.bk, args.warps)
+    pins = {KERNEL: ({"BV": args.bv, "BK": args.bk}, args.warps)}
+    if args.intra_bk:
+        pins[INTRA] = ({"BK": args.intra_bk, "BV": args.intra_bv}, args.intra_warps)
+    _pin_configs([chunk_bwd, chunk_fwd, chunk_intra, l2norm, *sides.values()], pins)
     for side, module in sides.items():
         _swap(tree, module)
         print(f"#### {side} errors against float32: "
