@@ -1,5 +1,5 @@
-"""Registers, spills and shared memory of every KDA, short-convolution, AttnRes and MoE SwiGLU kernel config on
-sm_90, without a GPU.
+"""Registers, spills, shared memory and programs per multiprocessor of every KDA, short-convolution, AttnRes and MoE
+SwiGLU kernel config on sm_90, without a GPU.
 
     python -m kernels.ptxas_report [--head-dim 128] [--heads 16] [--stages 3]
 
@@ -31,6 +31,9 @@ from kernels.tuning import config
 swiglu = importlib.import_module("kernels.moe.swiglu")  # the package exports the function under the same name
 
 HOPPER = GPUTarget("cuda", 90, 64)
+# An H100/H200 multiprocessor: 64K registers (allocated per warp in units of 256), 64 warps, 32 resident programs,
+# and 228 KB of shared memory, of which each program takes 1 KB more than it asks for.
+SM_REGISTERS, SM_WARPS, SM_PROGRAMS, SM_SHARED, PROGRAM_RESERVED_SHARED = 65536, 64, 32, 233472, 1024
 FLOAT32_ARGS = {"g", "A_log", "dt_bias", "gam", "dbeta", "h0", "ht", "dht", "dh0", "dg", "dw", "logits", "dots",
                 "s_ptr", "ds_ptr", "lse", "dlse", "scratch", "dq", "sp", "rp", "drp"}
 INT32_ARGS = {"chunks", "cu_seqlens", "chunk_offsets", "order"}
@@ -96,6 +99,15 @@ def launch_divisible(fn: JITFunction, constants: dict) -> tuple[str, ...]:
     return pointer_args(fn, constants) + tuple(n for n in DIVISIBLE_SCALARS if n in fn.arg_names)
 
 
+def programs_per_sm(registers: int, warps: int, shared: int) -> int:
+    """Programs of one kernel resident on a Hopper multiprocessor at once, by whichever of registers, warps and
+    shared memory runs out first: how many chains of loads and dependent products a latency-bound kernel overlaps
+    (the KDA and AttnRes kernels run one to three)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(SM_REGISTERS // (per_warp * warps), SM_WARPS // warps, SM_PROGRAMS,
+               SM_SHARED // (shared + PROGRAM_RESERVED_SHARED))
+
+
 def report(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, config: triton.Config, stages: int) -> str:
     """One line: the kernel, its config and what ptxas says of it, every pointer 16-byte aligned (as PyTorch's
     allocations are; Triton specialises on it at launch, and vectorises loads only then) and ``DIVISIBLE_SCALARS``
@@ -113,9 +125,11 @@ def report(kernel: triton.runtime.Autotuner | JITFunction, constants: dict, conf
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     warps = f"{config.num_warps}" + (f" maxnreg={cap['maxnreg']}" if cap else "")
     copies = len(re.findall(r"cp\.async\.c[ag]\.", compiled.asm["ptx"]))
+    shared = compiled.metadata.shared
+    resident = programs_per_sm(int(regs.group(1)), config.num_warps, shared)
     return (f"{fn.__name__:32} {str(config.kwargs):22} warps={warps}  registers={regs.group(1)}  "
-            f"spilled stores/loads={spills.group(1)}/{spills.group(2)} B  shared={compiled.metadata.shared} B  "
-            f"async copies={copies}")
+            f"spilled stores/loads={spills.group(1)}/{spills.group(2)} B  shared={shared} B  "
+            f"async copies={copies}  programs/SM={resident}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -495,6 +495,19 @@ def test_intermediates_go_through_saved_tensor_hooks() -> None:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="a CUDA machine measures instead (and may carry another Triton)")
+def test_programs_per_sm_is_what_runs_out_first() -> None:
+    """Registers (255 rounded to 256 a thread: two 4-warp programs), warps (64 a multiprocessor), the 32-program cap,
+    and shared memory with its 1 KB reserve each (64 KB a program: three)."""
+    from kernels.ptxas_report import programs_per_sm
+
+    assert programs_per_sm(255, 4, 0) == 2
+    assert programs_per_sm(129, 4, 0) == 3      # 136 registers a thread after rounding
+    assert programs_per_sm(32, 8, 0) == 8       # 64 warps
+    assert programs_per_sm(16, 1, 0) == 32      # the program cap
+    assert programs_per_sm(64, 4, 65536) == 3   # shared memory
+    assert programs_per_sm(64, 4, 0) == 8
+
+
 def test_ptxas_report_compiles_every_kernel_for_hopper() -> None:
     """The offline sm_90 report (its own process: the compiler, not the interpreter; pointers 16-byte aligned, as
     launches on PyTorch's allocations specialise them) covers the five KDA kernels, the three short-convolution
@@ -515,7 +528,8 @@ def test_ptxas_report_compiles_every_kernel_for_hopper() -> None:
                        "short_conv_bwd_da_kernel", "short_conv_bwd_dx_kernel", "attn_res_fwd_kernel",
                        "attn_res_bwd_kernel", "block_mix_fwd_kernel", "block_mix_bwd_kernel", "merge_fwd_kernel",
                        "merge_bwd_kernel", "swiglu_fwd_kernel", "swiglu_bwd_kernel"}, out
-    assert all("registers=" in line and "spilled stores/loads=" in line for line in out.splitlines())
+    assert all("registers=" in line and "spilled stores/loads=" in line and "programs/SM=" in line
+               for line in out.splitlines())
     lines = out.splitlines()
     def spilled(prefixes: tuple[str, ...]) -> list[int]:
         found = [re.search(r"spilled stores/loads=(\d+)/(\d+) B", line) for line in lines if line.startswith(prefixes)]
