@@ -41,10 +41,11 @@ def main() -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
-        for stream, fn in streams.items():
+        for stream in streams:
             stream.wait_event(start)
-            with torch.cuda.stream(stream):
-                for _ in range(args.rounds):
+        for _ in range(args.rounds):  # interleaved, so both queues stay full
+            for stream, fn in streams.items():
+                with torch.cuda.stream(stream):
                     fn()
         for stream in streams:
             torch.cuda.current_stream().wait_stream(stream)
