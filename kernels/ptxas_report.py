@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and programs per multiprocessor of every KDA, short-convolution, AttnRes and MoE
 SwiGLU kernel config on sm_90, without a GPU.
 
-    python -m kernels.ptxas_report [--head-dim 128] [--heads 16] [--stages 3]
+    python -m kernels.ptxas_report [--head-dim 128] [--heads 16] [--stages 3] [--chunk 64]
 
 Triton compiles each autotune config for Hopper here and the `ptxas` it ships reports the machine code's registers
 and spilled bytes (`-v`). A config that spills kilobytes per thread is a lead worth a device call; one that does not
@@ -25,6 +25,7 @@ from triton.runtime.jit import JITFunction
 
 from kernels.attn_res import block, mix
 from kernels.kda import chunk_bwd, chunk_fwd, chunk_intra
+from kernels.kda.chunk import CHUNK_SIZES
 from kernels.short_conv import conv
 from kernels.tuning import config
 
@@ -137,8 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="K = V")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--stages", type=int, default=3, help="num_stages (triton.Config's default is 3)")
+    parser.add_argument("--chunk", type=int, default=64, choices=CHUNK_SIZES, help="the KDA kernels' chunk")
     args = parser.parse_args(argv)
-    shape = dict(H=args.heads, K=args.head_dim, V=args.head_dim, BT=64)
+    shape = dict(H=args.heads, K=args.head_dim, V=args.head_dim, BT=args.chunk)
     gate = dict(USE_GATE=False, HAS_BIAS=False, G_MIN=-5.0, PREC="tf32")
     kernels = [
         (chunk_intra.chunk_kda_fwd_intra_kernel, chunk_intra.INTRA_SPACE,
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         (chunk_bwd.chunk_kda_bwd_dh_kernel, chunk_fwd.STATE_PASS_SPACE,
          shape | dict(PREC="tf32", USE_DHT=False, STORE_DH0=False)),
         (chunk_bwd.chunk_kda_bwd_dA_kernel, chunk_bwd.DA_SPACE,
-         dict(H=args.heads, V=args.head_dim, BT=64, SLOT=args.head_dim // 32, PREC="tf32")),
+         dict(H=args.heads, V=args.head_dim, BT=args.chunk, SLOT=args.head_dim // 32, PREC="tf32")),
         (chunk_bwd.chunk_kda_bwd_dqkg_kernel, chunk_bwd.DQKG_SPACE, shape | gate | dict(BC=16, GRAM="bf16")),
     ]
     configs = [(kernel, config(*entry), constants) for kernel, space, constants in kernels for entry in space

@@ -88,6 +88,9 @@ class TrainConfig:
     zero_stage: int = 1
     bf16: bool = True
     activation_checkpointing: Recompute = False
+    # The KDA kernels' chunk, 32 or 64 tokens (None: the preset's, ``KDAConfig.chunk_size``): the same model and
+    # numbers to rounding, a speed setting (``devrun/README.md``).
+    kda_chunk: int | None = None
     seed: int = 0
     num_workers: int = 2
     bad_sample_policy: str = "skip"
@@ -125,6 +128,7 @@ class TrainConfig:
                  f"must be true, false or a number of layers, got {self.activation_checkpointing!r}")
         for name in ("bf16", "auto_advance", "save_checkpoints"):
             _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+        _require(self.kda_chunk in (None, 32, 64), "kda_chunk", f"must be 32, 64 or absent, got {self.kda_chunk!r}")
         _require(self.zero_stage in (0, 1, 2), "zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")
         _require(self.bad_sample_policy in ("fail", "skip"), "bad_sample_policy",
                  f"must be 'fail' or 'skip', got {self.bad_sample_policy!r}")

@@ -114,6 +114,8 @@ class Trainer:
         self._barrier()
         torch.manual_seed(config.seed)
         model_config = dataclasses.replace(preset(config.model), checkpoint_layers=config.activation_checkpointing)
+        if config.kda_chunk is not None:
+            model_config.kda.chunk_size = config.kda_chunk
         self.model_config = model_config
         model = LongweaveModel(model_config)
         schedule = functools.partial(wsd_factor, total_steps=config.total_steps, warmup_steps=config.warmup_steps,

@@ -7,8 +7,9 @@
 B = 1, H = 16, K = V = 128, bf16 q/k/v, g = -5 sigmoid(randn) in float32, beta in (0, 1), q/k L2-normalised by each
 implementation, plus a 64K varlen batch of 34 documents. `longweave-gate` takes raw bf16 z and computes the bounded
 gate in the kernels; `longweave-segments` is that in checkpointed segments of 128K tokens (`chunk_kda_segmented`:
-one extra forward, a fraction of the memory; run only above 128K). Times are medians of `triton.testing.do_bench`
-(CUDA events). FLOPs count the chunk algorithm's dense matrix products per chunk of C = 64 and head: 4 C^2 K (A_qk,
+one extra forward, a fraction of the memory; run only above 128K); `-c32` runs the same in chunks of 32 tokens
+(`chunk_size=32`). Times are medians of `triton.testing.do_bench` (CUDA events). FLOPs count the chunk algorithm's
+dense matrix products per chunk of C = 64 and head, for every implementation (so rates compare times): 4 C^2 K (A_qk,
 A_kk) + 2 C^2 (K + V) (w, u) + 2 C^2 V (A_qk v_new) + 6 C K V (w S, q S, k^T v_new) forward, and three times that
 forward + backward. Bytes are the unavoidable traffic: every input read once and every output written once (forward
 + backward: inputs and dO read again, every gradient written).
@@ -28,7 +29,7 @@ from kernels.kda import chunk_kda, chunk_kda_segmented
 
 H, D, C = 16, 128, 64
 SEGMENT = 131072   # longweave-segments: checkpointed segments of this many tokens (only for longer sequences)
-GATED = {"longweave-gate", "longweave-segments"}   # these take raw bf16 z and compute the bounded gate in-kernel
+GATED = {"longweave-gate", "longweave-gate-c32", "longweave-segments"}   # these take raw bf16 z and compute the bounded gate in-kernel
 PEAK_TFLOPS, PEAK_TBPS = 791.0, 4.25   # measured H200 ceilings (DESIGN.md): bf16 GEMM, device copy
 log = logging.getLogger("kda.bench")
 
@@ -62,6 +63,10 @@ def implementations() -> dict[str, Callable]:
                                              use_qk_l2norm=True),
         "longweave-gate": lambda x, cu: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu,
                                                   A_log=x["A_log"], use_qk_l2norm=True),
+        "longweave-c32": lambda x, cu: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu,
+                                                 use_qk_l2norm=True, chunk_size=32),
+        "longweave-gate-c32": lambda x, cu: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu,
+                                                      A_log=x["A_log"], use_qk_l2norm=True, chunk_size=32),
         "longweave-segments": lambda x, cu: chunk_kda_segmented(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                                 segment_tokens=SEGMENT, cu_seqlens=cu,
                                                                 A_log=x["A_log"], use_qk_l2norm=True),

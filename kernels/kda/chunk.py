@@ -17,13 +17,21 @@ from kernels.kda.naive import CHUNK, naive_chunk_kda
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _plan_chunks(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The kernels' chunk sizes (tokens): sub-chunks of 16 are what the gate's bound allows (exponents within 80), and a
+# chunk of 32 has two where one of 64 has four. By ptxas (sm_90, 8 heads of 128), 32 fits twice the forward intra
+# kernel's programs on a multiprocessor at BK = BV = 32 (128 registers, 4 programs) and halves its Gram tiles; its
+# state passes walk twice the chunks.
+CHUNK_SIZES = (32, CHUNK)
+
+
+def _plan_chunks(cu_seqlens: torch.Tensor, device: torch.device, chunk: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cu = HOST_CU_SEQLENS.get(cu_seqlens).long()
-    n_chunks = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    n_chunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk
     offsets = torch.cat([cu.new_zeros(1), n_chunks.cumsum(0)])
     seq = torch.repeat_interleave(torch.arange(n_chunks.numel()), n_chunks)
     local = torch.arange(int(offsets[-1])) - offsets[seq]
-    chunks = torch.stack([cu[seq] + local * CHUNK, cu[seq + 1]], 1)
+    chunks = torch.stack([cu[seq] + local * chunk, cu[seq + 1]], 1)
     order = torch.argsort(n_chunks, descending=True, stable=True)
     return to_device(offsets, device), to_device(chunks, device), to_device(order, device)
 
@@ -34,13 +42,15 @@ def _plan_chunks(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.
 CHUNK_PLANS = TensorMemo(_plan_chunks)
 
 
-def prepare_chunks(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prepare_chunks(cu_seqlens: torch.Tensor, device: torch.device, chunk: int = CHUNK
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunk_offsets [N+1] (first chunk of each document), chunks [NT, 2] (start token, document end) and order [N]
-    (documents longest first), int32, on ``device``; memoised for the last few cu_seqlens tensors.
+    (documents longest first) for chunks of ``chunk`` tokens, int32, on ``device``; memoised for the last few
+    cu_seqlens tensors.
 
     The state passes run one chain per (document, head) in launch order `order`: when the chains outnumber the GPU's
     slots, the longest starts first rather than whenever its index comes up (longest-processing-time first)."""
-    return CHUNK_PLANS.get(cu_seqlens, device)
+    return CHUNK_PLANS.get(cu_seqlens, device, chunk)
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -64,18 +74,18 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, g_min: float, scale: float,
-                initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor
+                initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor, chunk: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, H, K = q.shape
         V = v.shape[-1]
         q, k, v, g = (x.reshape(1, B * T, H, -1).contiguous() for x in (q, k, v, g))
         beta = beta.reshape(1, B * T, H).contiguous()
-        chunk_offsets, chunks, order = prepare_chunks(cu_seqlens, q.device)
+        chunk_offsets, chunks, order = prepare_chunks(cu_seqlens, q.device, chunk)
         cu_seqlens = to_device(cu_seqlens, q.device)
         h0 = initial_state.float().contiguous() if initial_state is not None else None
         gate = (A_log, dt_bias, g_min)
         prec = _precisions(q.dtype)
-        Aqk, Ainv, w, u, decayed = chunk_kda_fwd_intra(q, k, v, g, beta, gate, chunks, prec)
+        Aqk, Ainv, w, u, decayed = chunk_kda_fwd_intra(q, k, v, g, beta, gate, chunks, prec, chunk)
         o, ht, h = chunk_kda_fwd_h(decayed, w, u, Aqk, scale, h0, output_final_state, any(ctx.needs_input_grad),
                                    cu_seqlens, chunk_offsets, order, prec[0])
         del decayed
@@ -105,12 +115,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         shape = (B, T, H)
         return (dq.view(*shape, K), dk.view(*shape, K), dv.view(*shape, V), dg.view(*shape, K),
                 dbeta.view(shape).to(beta.dtype), dA_log, d_dt_bias, None, None,
-                dh0.to(h0_dtype) if has_h0 else None, None, None)
+                dh0.to(h0_dtype) if has_h0 else None, None, None, None)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            scale: float | None, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-           A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, g_min: float) -> int:
+           A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, g_min: float, chunk_size: int) -> int:
     """Validate every argument once; returns the number of documents N."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -127,6 +137,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     for name, d in (("K", K), ("V", V)):
         if d not in (32, 64, 128):
             raise ValueError(f"head dim {name} must be one of 32, 64, 128, got {d}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
     if q.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
     for name, x in (("k", k), ("v", v)):
@@ -175,8 +187,9 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     g_min: float = -5.0,
     use_qk_l2norm: bool = False,
+    chunk_size: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Kimi Delta Attention over chunks of 64 tokens (sub-chunks of 16), forward and backward.
+    """Kimi Delta Attention over chunks of ``chunk_size`` tokens (32 or 64; sub-chunks of 16), forward and backward.
 
     q, k [B, T, H, K]; v [B, T, H, V] (same float dtype; bf16 runs with fp32 accumulation; K, V in 32, 64, 128);
     beta [B, T, H] in (0, 1).
@@ -188,9 +201,10 @@ def chunk_kda(
     initial_state [N, H, K, V]; scale defaults to 1/sqrt(K).
     use_qk_l2norm normalises q and k as x / sqrt(|x|^2 + 1e-6) (float32 arithmetic; one Triton kernel each way).
     Returns o [B, T, H, V] (v's dtype) and the final state [N, H, K, V] float32 if asked, else None.
-    Triton on CUDA (and on CPU under TRITON_INTERPRET=1), `naive_chunk_kda` elsewhere.
+    Triton on CUDA (and on CPU under TRITON_INTERPRET=1), `naive_chunk_kda` elsewhere (the same numbers up to
+    rounding at either chunk size).
     """
-    _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, g_min)
+    _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, A_log, dt_bias, g_min, chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not (q.is_cuda or INTERPRET):
         if use_qk_l2norm:
@@ -205,4 +219,4 @@ def chunk_kda(
     if cu_seqlens is None:
         cu_seqlens = torch.arange(B + 1, dtype=torch.int32) * T
     return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, float(g_min), float(scale), initial_state,
-                                  output_final_state, cu_seqlens)
+                                  output_final_state, cu_seqlens, chunk_size)

@@ -50,7 +50,7 @@ def chunk_kda_decay_kernel(
     tl.store(gam + (i_t.to(tl.int64) * H + i_h) * K + o_k, b_gam)
 
 
-def chunk_kda_decay(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tuple, chunks: torch.Tensor
+def chunk_kda_decay(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tuple, chunks: torch.Tensor, chunk: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qg = q exp(G), kd = k exp(gamma - G) [1, T, H, K] (q's dtype) and gamma [NT, H, K] float32."""
     _, T, H, K = q.shape
@@ -59,13 +59,13 @@ def chunk_kda_decay(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tup
     gam = q.new_empty(chunks.shape[0], H, K, dtype=torch.float32)
     BK = min(K, 64)
     chunk_kda_decay_kernel[(chunks.shape[0], H, K // BK)](
-        q, k, g, A_log, dt_bias, qg, kd, gam, chunks, H=H, K=K, BT=64, BK=BK,
+        q, k, g, A_log, dt_bias, qg, kd, gam, chunks, H=H, K=K, BT=chunk, BK=BK,
         USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min, num_warps=4,
     )
     return qg, kd, gam
 
 
-@autotune(STATE_PASS_SPACE, key=["H", "K", "V", "CHAINS"],
+@autotune(STATE_PASS_SPACE, key=["H", "K", "V", "CHAINS", "BT"],
           prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dh_kernel(
@@ -139,7 +139,7 @@ DQKG_SPACE = [({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 4), ({"BV": 64, 
 DQKG_MIN_BK = min(meta["BK"] for meta, _ in DQKG_SPACE)
 
 
-@autotune(DA_SPACE, key=["H", "V"],
+@autotune(DA_SPACE, key=["H", "V", "BT"],
           prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dA_kernel(
@@ -180,7 +180,7 @@ def chunk_kda_bwd_dA_kernel(
     tl.store(dbeta + SLOT * T * H + rows * H + i_h, b_dbv, mask=m_t)
 
 
-@autotune(DQKG_SPACE, key=["H", "K", "V"], restore_value=["dbeta"],
+@autotune(DQKG_SPACE, key=["H", "K", "V", "BT"], restore_value=["dbeta"],
           prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_bwd_dqkg_kernel(
@@ -298,10 +298,11 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dh = torch.empty_like(h)
     dvn = torch.empty_like(vn)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if has_h0 else None
-    qg, kd, gam = chunk_kda_decay(q, k, g, gate, chunks)
+    BT = Aqk.shape[-1]
+    qg, kd, gam = chunk_kda_decay(q, k, g, gate, chunks, BT)
     chunk_kda_bwd_dh_kernel[lambda meta: (V // meta["BV"], N * H)](
         qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, order, scale, chain_bucket(N * H),
-        H=H, K=K, V=V, BT=64, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec,
+        H=H, K=K, V=V, BT=BT, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec,
     )
     # qg and kd (recomputed here, not saved) are dead now: their memory takes dq and dk.
     dq, dk, dv, dg = qg, kd, torch.empty_like(v), torch.empty_like(g)
@@ -310,14 +311,14 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     slots = K // DQKG_MIN_BK   # one partial dbeta per K block of the narrowest config, and one for the V part
     dbeta = q.new_zeros(slots + 1, T, H, dtype=torch.float32)
     gram = gram_precision(q.dtype, prec, K)
-    dAqk = q.new_empty(1, T, H, 64, dtype=torch.bfloat16 if gram == "bf16" else torch.float32)
+    dAqk = q.new_empty(1, T, H, BT, dtype=torch.bfloat16 if gram == "bf16" else torch.float32)
     dAkk = torch.empty_like(dAqk)
     chunk_kda_bwd_dA_kernel[(chunks.shape[0], H)](
-        v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale, T, H=H, V=V, BT=64, SLOT=slots, PREC=prec,
+        v, beta, Ainv, vn, dvn, do, dv, dAqk, dAkk, dbeta, chunks, scale, T, H=H, V=V, BT=BT, SLOT=slots, PREC=prec,
     )
     chunk_kda_bwd_dqkg_kernel[lambda meta: (chunks.shape[0] * (K // meta["BK"]), H)](
         q, k, g, beta, A_log, dt_bias, Ainv, vn, dvn, do, h, dh, dAqk, dAkk, dq, dk, dg, dbeta, chunks, scale,
-        T, H=H, K=K, V=V, BT=64, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
+        T, H=H, K=K, V=V, BT=BT, BC=16, USE_GATE=use_gate, HAS_BIAS=has_bias, G_MIN=g_min, PREC=prec,
         GRAM=gram,
     )
     return dq, dk, dv, dg, dbeta.sum(0, keepdim=True), dh0

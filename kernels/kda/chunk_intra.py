@@ -1,15 +1,15 @@
 """Intra-chunk forward: gated Gram matrices A_qk, A_kk on 16-token sub-chunk blocks, the UT inverse, and w, u.
 
-A chunk of BT = 64 tokens is four sub-chunks of BC = 16. The rows of sub-chunk a are rescaled around c_a, the
-cumulative log-decay just before it (never a later token, so the chunk stays exactly causal):
+A chunk of BT = 64 tokens is four sub-chunks of BC = 16 (BT = 32: two). The rows of sub-chunk a are rescaled
+around c_a, the cumulative log-decay just before it (never a later token, so the chunk stays exactly causal):
     A[i, j] = sum_c (x_ic exp(G_ic - c_a)) (k_jc exp(c_a - G_jc)),   i in sub-chunk a, j <= its last token.
 With g >= -5 the row exponent lies in [-80, 0] and the column one is <= 80 (it only underflows where the product
 does), so every block, diagonal included, runs on tensor cores.
 
-One program per chunk and head, no scratch: for each K block, each anchor's rows [64, BK] (zero outside its
-sub-chunk) times the keys up to its end accumulate into full [64, 64] tiles of A_qk and A_kk in registers; A_qk is
+One program per chunk and head, no scratch: for each K block, each anchor's rows [BT, BK] (zero outside its
+sub-chunk) times the keys up to its end accumulate into full [BT, BT] tiles of A_qk and A_kk in registers; A_qk is
 stored, L = diag(beta) strict_tril(A_kk) is inverted in registers by recursive doubling, and w, u follow from the
-inverse. The masked full tiles do 4x the Gram FLOPs of [16, K] row blocks but keep A_kk in one register tile for
+inverse. The masked full tiles do BT / 16 times the Gram FLOPs of [16, K] row blocks but keep A_kk in one register tile for
 the inverse (the row-block form went through a global scratch and a barrier, and was slower on the H200).
 """
 from __future__ import annotations
@@ -21,9 +21,12 @@ import triton.language as tl
 from kernels.kda.gate import load_log_decay
 from kernels.tuning import autotune, fit_v
 
-# (BK, BV, num_warps). Smallest blocks first: the interpreter runs only the first entry, for every K and V.
+# (BK, BV, num_warps). Smallest blocks first: the interpreter runs only the first entry, for every K and V. The
+# 2-warp entry is for chunks of 32 (ptxas, sm_90, K = 128: 165 registers, six programs a multiprocessor; at 64 it
+# spills 300 B).
 INTRA_SPACE = [({"BK": 32, "BV": 32}, 4), ({"BK": 32, "BV": 64}, 4), ({"BK": 32, "BV": 64}, 8),
-               ({"BK": 64, "BV": 64}, 4), ({"BK": 64, "BV": 64}, 8), ({"BK": 64, "BV": 128}, 8)]
+               ({"BK": 64, "BV": 64}, 4), ({"BK": 64, "BV": 64}, 8), ({"BK": 64, "BV": 128}, 8),
+               ({"BK": 32, "BV": 32}, 2)]
 
 
 @triton.jit
@@ -121,7 +124,7 @@ def solve_unit_lower(b_L, BT: tl.constexpr, PREC: tl.constexpr):
     return b_T
 
 
-@autotune(INTRA_SPACE, key=["H", "K", "V"], prune_configs_by={"early_config_prune": fit_v})
+@autotune(INTRA_SPACE, key=["H", "K", "V", "BT"], prune_configs_by={"early_config_prune": fit_v})
 @triton.jit
 def chunk_kda_fwd_intra_kernel(
     q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, qg, kd, gam, chunks,
@@ -194,15 +197,16 @@ def gram_precision(dtype: torch.dtype, prec: str, K: int) -> str:
 
 
 def chunk_kda_fwd_intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        gate: tuple, chunks: torch.Tensor, prec: tuple[str, str]
+                        gate: tuple, chunks: torch.Tensor, prec: tuple[str, str], chunk: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-    """Aqk, Ainv [1, T, H, 64], w [1, T, H, K], u [1, T, H, V] for flattened q, k, g [1, T, H, K], and the state
-    pass's decayed inputs (qg = q exp(G), kd = k exp(gamma - G) in q's dtype, gamma [NT, H, K] float32)."""
+    """Aqk, Ainv [1, T, H, chunk], w [1, T, H, K], u [1, T, H, V] for flattened q, k, g [1, T, H, K] in chunks of
+    ``chunk`` tokens (the rows of ``chunks``), and the state pass's decayed inputs (qg = q exp(G), kd = k
+    exp(gamma - G) in q's dtype, gamma [NT, H, K] float32)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     A_log, dt_bias, g_min = gate
     a_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
-    Aqk = q.new_empty(1, T, H, 64, dtype=a_dtype)
+    Aqk = q.new_empty(1, T, H, chunk, dtype=a_dtype)
     Ainv = torch.empty_like(Aqk)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
@@ -210,7 +214,7 @@ def chunk_kda_fwd_intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     gam = q.new_empty(chunks.shape[0], H, K, dtype=torch.float32)
     chunk_kda_fwd_intra_kernel[(chunks.shape[0], H)](
         q, k, v, g, beta, A_log, dt_bias, Aqk, Ainv, w, u, qg, kd, gam, chunks,
-        H=H, K=K, V=V, BT=64, BC=16,
+        H=H, K=K, V=V, BT=chunk, BC=16,
         USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, G_MIN=g_min, PREC=prec[0], SOLVE_PREC=prec[1],
         GRAM=gram_precision(q.dtype, prec[0], K),
     )

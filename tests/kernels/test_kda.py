@@ -83,13 +83,25 @@ def test_chunk_matches_recurrence(T: int, K: int, h0: bool) -> None:
     check_against_recurrence(make_inputs(1 if T > 64 else 2, T, 2, K, K, h0), 1e-4)
 
 
+@pytest.mark.parametrize("T, K, docs", [
+    pytest.param(T, K, docs, id=f"T{T}-H2-K{K}{f'-varlen{docs}' if docs > 1 else ''}")
+    for T, docs in ((1, 1), (16, 1), (31, 1), (32, 1), (33, 1), (150, 3)) for K in (32, 128)
+])
+def test_chunks_of_32_match_recurrence(T: int, K: int, docs: int) -> None:
+    """``chunk_size=32``: two sub-chunks a chunk, twice the chunks; partial and whole chunks, documents, h0."""
+    check_against_recurrence(make_inputs(1 if docs > 1 else 2, T, 2, K, K, True, n_docs=docs), 1e-4, chunk_size=32)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU, test_gpu_bf16_matches_fp32_reference runs bf16 itself")
-@pytest.mark.parametrize("docs", [None, 3], ids=["T1024-H1-K128", "T1024-H1-K128-varlen3"])
-def test_bf16_with_gpu_numerics(gpu_numerics: None, docs: int | None) -> None:
+@pytest.mark.parametrize("docs, chunk", [pytest.param(None, 64, id="T1024-H1-K128"),
+                                         pytest.param(3, 64, id="T1024-H1-K128-varlen3"),
+                                         pytest.param(3, 32, id="T1024-H1-K128-varlen3-chunk32")])
+def test_bf16_with_gpu_numerics(gpu_numerics: None, docs: int | None, chunk: int) -> None:
     """bf16 through the interpreter with a GPU's bf16 and tf32 arithmetic (tests/kernels/gpu_numerics.py): every
     error within 5e-3, gradients included (fla-core's are <= 3.4e-3 on the H200 at T=4096). dg was 7.1e-3 here
     while its tf32 operands differed between the two sides of a cancellation."""
-    check_against_recurrence(make_inputs(1, 1024, 1, 128, 128, True, n_docs=docs or 1, dtype=torch.bfloat16), 5e-3)
+    check_against_recurrence(make_inputs(1, 1024, 1, 128, 128, True, n_docs=docs or 1, dtype=torch.bfloat16), 5e-3,
+                             chunk_size=chunk)
 
 
 @pytest.mark.parametrize("K, h0", [pytest.param(32, True, id="T150-H2-K32-varlen-h0"),
@@ -105,14 +117,15 @@ def test_empty_documents_keep_their_initial_state() -> None:
 
 
 @pytest.mark.parametrize("g", [-5.0, -4.9], ids=["at-the-bound", "near-it"])
-def test_strongest_decay_stays_exact(g: float) -> None:
+@pytest.mark.parametrize("chunk", [64, 32], ids=["chunk64", "chunk32"])
+def test_strongest_decay_stays_exact(g: float, chunk: int) -> None:
     """Every step at the gate's bound: the sub-chunk decay factors reach their widest range (e^-80 to e^80 across a
     sub-chunk: 16 steps of -5 from the anchor just before it), where an overflow, or a term lost to underflow that
     still matters, would show (as errors of order 1). dg's float32 error there is 6e-5 to 1.1e-4 by the seed (seed
     270697589: 1.06e-4, the same before the bf16 Gram products), the rest about 1e-7: dg gets 3e-4."""
     case = make_inputs(1, 200, 2, 64, 64, True, n_docs=2)
     case["inputs"]["g"] = torch.full_like(case["inputs"]["g"], g)
-    check_against_recurrence(case, 1e-4, dg_tol=3e-4)
+    check_against_recurrence(case, 1e-4, dg_tol=3e-4, chunk_size=chunk)
 
 
 def test_identical_keys_without_decay_stay_exact() -> None:
@@ -140,19 +153,21 @@ def tuning_spaces() -> dict[str, tuple]:
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter runs one config per kernel; a GPU tunes over all of them")
 @pytest.mark.parametrize("kernel", ["intra", "state-pass", "reverse-pass", "dA", "dqkg"])
-def test_every_tuning_config_matches_recurrence(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("chunk", [64, 32], ids=["chunk64", "chunk32"])
+def test_every_tuning_config_matches_recurrence(kernel: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU autotuner may pick any config of a kernel's space, so each one must be right: K = V = 128 (every
-    block width fits), two documents, a partly filled last chunk."""
+    block width fits), two documents, a partly filled last chunk, at both chunk sizes."""
     import triton
 
     tuned, space = tuning_spaces()[kernel]
     for meta, warps in space:
         monkeypatch.setattr(tuned, "configs", [triton.Config(meta, num_warps=warps)])
         case = make_inputs(1, 100, 1, 128, 128, True, n_docs=2)
-        check_against_recurrence(case, 1e-4)
+        check_against_recurrence(case, 1e-4, chunk_size=chunk)
 
 
-def test_in_kernel_gate_matches_recurrence() -> None:
+@pytest.mark.parametrize("chunk", [64, 32], ids=["chunk64", "chunk32"])
+def test_in_kernel_gate_matches_recurrence(chunk: int) -> None:
     """Raw gate input z, A_log and dt_bias: the kernel's bounded gate and its gradients (dz, dA_log, d dt_bias)."""
     case = make_inputs(1, 80, 2, 32, 32, True)
     z = torch.randn(1, 80, 2, 32, device=DEVICE)
@@ -162,7 +177,7 @@ def test_in_kernel_gate_matches_recurrence() -> None:
     leaves = {n: t.clone().requires_grad_() for n, t in raw.items()}
     x = case["inputs"]
     o, ht = chunk_kda(x["q"], x["k"], x["v"], leaves["z"], x["beta"], initial_state=x["h0"],
-                      output_final_state=True, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"])
+                      output_final_state=True, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], chunk_size=chunk)
     refs = {n: t.clone().requires_grad_() for n, t in raw.items()}
     g = kda_gate(refs["z"], refs["A_log"], refs["dt_bias"], -5.0)
     o_ref, ht_ref = naive_recurrent_kda(x["q"], x["k"], x["v"], g, x["beta"], initial_state=x["h0"],
@@ -223,7 +238,8 @@ def test_naive_chunk_matches_recurrence() -> None:
 @pytest.mark.parametrize("tau", [pytest.param(35, id="T45-tau35-partial-subchunk"),
                                  pytest.param(63, id="T100-tau63-chunk-end"),
                                  pytest.param(16, id="T45-tau16-subchunk-start")])
-def test_exactly_causal(tau: int) -> None:
+@pytest.mark.parametrize("chunk", [64, 32], ids=["chunk64", "chunk32"])
+def test_exactly_causal(tau: int, chunk: int) -> None:
     """New values of q, k, v, g, beta after tau leave every output up to tau bit-for-bit unchanged."""
     T = 45 if tau < 45 else 100
     x = make_inputs(1, T, 2, 32, 32, True)["inputs"]
@@ -231,8 +247,8 @@ def test_exactly_causal(tau: int) -> None:
     for n in ("q", "k", "v", "g", "beta"):
         fresh = make_inputs(1, T, 2, 32, 32, False)["inputs"][n]
         y[n][:, tau + 1:] = fresh[:, tau + 1:]
-    o_x, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"])
-    o_y, _ = chunk_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], initial_state=y["h0"])
+    o_x, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], chunk_size=chunk)
+    o_y, _ = chunk_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], initial_state=y["h0"], chunk_size=chunk)
     assert torch.equal(o_x[:, : tau + 1], o_y[:, : tau + 1])
     assert not torch.equal(o_x[:, tau + 1:], o_y[:, tau + 1:])
 
@@ -333,6 +349,7 @@ def _args(**over) -> dict:
     pytest.param(dict(A_log=torch.randn(2), dt_bias=torch.randn(32)), r"dt_bias must be \[H\*K\] = \[64\]",
                  id="dt_bias"),
     pytest.param(dict(A_log=torch.randn(2), g_min=-8.0), r"g_min must lie in \[-5, 0\).* got -8.0", id="g_min"),
+    pytest.param(dict(chunk_size=16), r"chunk_size must be one of \(32, 64\), got 16", id="chunk_size"),
 ])
 def test_argument_errors(over: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -356,10 +373,11 @@ def _gpu_reference(case: dict) -> tuple:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, T, H, K, docs", GPU_CASES)
-def test_gpu_bf16_matches_fp32_reference(B: int, T: int, H: int, K: int, docs: int | None) -> None:
+@pytest.mark.parametrize("chunk", [64, 32], ids=["chunk64", "chunk32"])
+def test_gpu_bf16_matches_fp32_reference(B: int, T: int, H: int, K: int, docs: int | None, chunk: int) -> None:
     case = make_inputs(B, T, H, K, K, True, n_docs=docs or 1, dtype=torch.bfloat16)
     o_ref, ht_ref, g_ref, grad_out = _gpu_reference(case)
-    o, ht, grads, _ = run(chunk_kda, case["inputs"], case["cu_seqlens"], grad_out)
+    o, ht, grads, _ = run(chunk_kda, case["inputs"], case["cu_seqlens"], grad_out, chunk_size=chunk)
     errors = {"o": rel_err(o, o_ref), "ht": rel_err(ht, ht_ref)}
     assert max(errors.values()) <= 5e-3, errors
     errors = {f"d{n}": rel_err(grads[n], g_ref[n]) for n in grads}
@@ -434,6 +452,9 @@ def test_chunk_tables_are_built_once_per_cu_seqlens() -> None:
     cu[2] = 10
     assert prepare_chunks(cu, cpu)[1].tolist() == [[0, 5], [5, 10]] and CHUNK_PLANS.misses == before + 2
     assert prepare_chunks(cu.clone(), cpu)[0].tolist() == [0, 1, 2] and CHUNK_PLANS.misses == before + 3
+    assert prepare_chunks(cu, cpu, 32)[1].tolist() == [[0, 5], [5, 10]] and CHUNK_PLANS.misses == before + 4
+    cu[2] = 9 + CHUNK
+    assert prepare_chunks(cu, cpu, 32)[1].tolist() == [[0, 5], [5, 9 + CHUNK], [37, 9 + CHUNK], [69, 9 + CHUNK]]
 
 
 @pytest.mark.gpu

@@ -88,6 +88,20 @@ def test_mla_cost_follows_causal_pairs_per_document_and_kda_is_linear() -> None:
     assert training_flops(config, [1000], n_loss_tokens=10).lm_head == 6 * config.vocab_size * config.d_model * 10
 
 
+def test_kda_intra_chunk_cost_follows_the_kernels_chunk() -> None:
+    """Chunks of 32 halve the intra-chunk products per token (2C(3K + 2V) and the 2C^2/3 solve) and leave the
+    state terms (6KV) and the projections as they are."""
+    config = tiny()
+    half = dataclasses.replace(config, kda=dataclasses.replace(config.kda, chunk_size=32))
+    H, K = config.kda.n_heads, config.kda.head_dim
+    n_kda, tokens = config.layer_kinds.count("kda"), 1000
+    per_token = lambda C: 2 * C * 5 * K + 2 * C * C / 3  # noqa: E731  (K = V)
+    saved = n_kda * tokens * TRAIN_FACTOR * H * (per_token(64) - per_token(32))
+    assert training_flops(config, [tokens]).kda - training_flops(half, [tokens]).kda == pytest.approx(saved)
+    with pytest.raises(ValueError, match=r"KDAConfig.chunk_size: must be 32 or 64 .* got 16"):
+        dataclasses.replace(config.kda, chunk_size=16)
+
+
 def test_vision_flops_grow_with_patches_and_per_token_sums_to_total() -> None:
     config = tiny()
     none = training_flops(config, [256])

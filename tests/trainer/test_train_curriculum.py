@@ -166,6 +166,8 @@ def test_config_errors_name_the_field(short_shards: Path) -> None:
         StageRun(name="c", seq_len=8, token_budget=8, keep_routed_rows="yes")
     with pytest.raises(ValueError, match=r"^activation_checkpointing: must be true, false or a number of layers"):
         TrainConfig(data=str(short_shards), tokens_per_step=3000, stages=stages, activation_checkpointing=1.5)
+    with pytest.raises(ValueError, match=r"^kda_chunk: must be 32, 64 or absent, got 48"):
+        TrainConfig(data=str(short_shards), tokens_per_step=3000, stages=stages, kda_chunk=48)
     # How `stage plan` and the logs show each setting.
     assert [recompute_label(s) for s in (True, False, 0, 1, 12)] == ["on", "off", "off", "first 1 layer",
                                                                       "first 12 layers"]

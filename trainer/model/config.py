@@ -33,12 +33,17 @@ class KDAConfig:
     gate_lower_bound: float = -5.0
     norm_eps: float = 1e-6
     segment_tokens: int | None = 262144
+    # The kernels' chunk (32 or 64 tokens, ``kernels.kda.chunk.CHUNK_SIZES``): the same outputs either way, to rounding;
+    # a speed setting, which the FLOP count follows (the intra-chunk work per token scales with it).
+    chunk_size: int = 64
 
     def __post_init__(self) -> None:
         require_positive_ints(self, "n_heads", "head_dim", "conv_size")
         if self.segment_tokens is not None and (self.segment_tokens < 64 or self.segment_tokens % 64):
             raise ValueError(f"KDAConfig.segment_tokens: must be a positive multiple of 64 (the kernel's chunk) "
                              f"or null, got {self.segment_tokens}")
+        if self.chunk_size not in (32, 64):
+            raise ValueError(f"KDAConfig.chunk_size: must be 32 or 64 (the kernels' chunks), got {self.chunk_size}")
         if not -5.0 <= self.gate_lower_bound < 0:
             raise ValueError(f"KDAConfig.gate_lower_bound: must lie in [-5, 0) (kernel exponent range), "
                              f"got {self.gate_lower_bound}")

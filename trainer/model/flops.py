@@ -7,7 +7,7 @@ Training FLOPs (forward + backward) follow the usual convention: every weight us
 6 FLOPs per token it touches (2 forward, 4 backward); elementwise work (norms, gates' sigmoids, RoPE) is not counted.
 On top of the weights:
 
-- **KDA chunked cost**, per head and token, forward, chunks of ``C = 64``: intra-chunk ``A_kk = kkᵀ``, ``A_qk = qkᵀ``,
+- **KDA chunked cost**, per head and token, forward, chunks of ``C`` (``KDAConfig.chunk_size``): intra-chunk ``A_kk = kkᵀ``, ``A_qk = qkᵀ``,
   ``w = A k``, ``u = A v`` and ``A_qk v_new`` (``2C(3K + 2V)``), the triangular solve (``2C²/3``), and the state
   terms ``v_new = u − wS``, ``qS``, ``S += kᵀv_new`` (``6KV``); backward counted as twice the forward.
 - **MLA causal cost**: ``QKᵀ`` and ``AV`` over the causal pairs of each document, ``4·H·D·n(n+1)/2`` forward for a
@@ -25,11 +25,10 @@ from trainer.model.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig
 from vision.config import VisionEncoderConfig
 
 __all__ = [
-    "KDA_CHUNK", "H200_BF16_PEAK_FLOPS", "ParamCount", "FlopBreakdown", "kda_params", "mla_params",
+    "H200_BF16_PEAK_FLOPS", "ParamCount", "FlopBreakdown", "kda_params", "mla_params",
     "dense_ffn_params", "moe_params", "vision_params", "count_parameters", "training_flops", "mfu",
 ]
 
-KDA_CHUNK = 64
 TRAIN_FACTOR = 3  # forward + backward (twice the forward)
 H200_BF16_PEAK_FLOPS = 791e12  # measured dense bf16 GEMM ceiling (DESIGN.md, Kernels)
 
@@ -129,7 +128,7 @@ class FlopBreakdown:
 
 def _kda_core_per_token(cfg: KDAConfig) -> float:
     K = V = cfg.head_dim
-    C = KDA_CHUNK
+    C = cfg.chunk_size
     forward = 2 * C * (3 * K + 2 * V) + 2 * C * C / 3 + 6 * K * V
     return TRAIN_FACTOR * cfg.n_heads * forward
 

@@ -133,6 +133,6 @@ class KDALayer(nn.Module):
         z = self.g_up(past_halo(z_low, halo)).view(1, T, H, K)
         o, ht = chunk_kda(q, k, v, z, beta, scale=K ** -0.5, cu_seqlens=cu_seqlens, initial_state=h0,
                           output_final_state=h0 is not None, A_log=self.A_log, dt_bias=self.dt_bias,
-                          g_min=self.config.gate_lower_bound)
+                          g_min=self.config.gate_lower_bound, chunk_size=self.config.chunk_size)
         o = gated_rms_norm(o.view(T, H, K), self.o_norm.weight, self.o_norm.eps, past_halo(gate, halo).view(T, H, K))
         return self.o_proj(o.reshape(T, H * K)), ht
