@@ -19,21 +19,21 @@ def survey() -> None:
     sys.path.insert(0, TESTS)
     import test_kda
 
-    runs = [(kernel, i, meta, warps) for kernel, (_, space) in test_kda.tuning_spaces().items()
-            for i, (meta, warps) in enumerate(space) if max(meta.values()) <= 64] + [("every-config", 0, None, None)]
-    for kernel, i, meta, warps in runs:
+    runs = [(kernel, i, entry) for kernel, (_, space) in test_kda.tuning_spaces().items()
+            for i, entry in enumerate(space) if max(entry[0].values()) <= 64] + [("every-config", 0, None)]
+    for kernel, i, entry in runs:
         r = subprocess.run([sys.executable, __file__, kernel, str(i)], capture_output=True, text=True, timeout=120)
         last = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
-        print(kernel, meta, warps, "rc", r.returncode, last[0][:200], flush=True)
+        print(kernel, entry, "rc", r.returncode, last[0][:200], flush=True)
 
 
 def one(kernel: str, index: int) -> None:
     import torch
-    import triton
 
     sys.path.insert(0, TESTS)
     import test_kda
     from kernels.kda import chunk_bwd, chunk_intra
+    from kernels.tuning import config
 
     def bf16_everywhere(dtype: torch.dtype, prec: str, K: int) -> str:  # noqa: ARG001 - gram_precision's signature
         return "bf16" if dtype == torch.bfloat16 else prec
@@ -41,8 +41,7 @@ def one(kernel: str, index: int) -> None:
     chunk_intra.gram_precision = chunk_bwd.gram_precision = bf16_everywhere
     for name, (tuned, space) in test_kda.tuning_spaces().items():
         if kernel != "every-config":
-            meta, warps = space[index] if name == kernel else space[0]
-            tuned.configs, tuned.early_config_prune = [triton.Config(meta, num_warps=warps)], None
+            tuned.configs, tuned.early_config_prune = [config(*(space[index] if name == kernel else space[0]))], None
     case = test_kda.make_inputs(2, 2000, 2, 64, 64, True, device="cuda", dtype=torch.bfloat16)
     o_ref, _, g_ref, grad_out = test_kda._gpu_reference(case)
     o, _, grads, _ = test_kda.run(test_kda.chunk_kda, case["inputs"], case["cu_seqlens"], grad_out)

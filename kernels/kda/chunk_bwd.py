@@ -133,10 +133,12 @@ DA_SPACE = [({"BV": 32}, 4), ({"BV": 64}, 4), ({"BV": 64}, 8)]
 # own timings on the H200 at 8 x 8K (2026-12-06): BV 64 / BK 32 at 4 warps 4.30-4.52 ms a call (the pick; 364 B
 # spilled), BV 32 / BK 32 at 4 warps 4.32-4.64, BK 64 at 8 warps 5.74-5.92, BK 16 at 4 warps 5.87-6.57, BV 64 /
 # BK 32 at 8 warps (no spills) 6.88-7.09. Each program loads the chunk's [64, 64] float32 Gram gradients 16 times:
-# loading each once a pass (4 loads, fewer spills) was 1.22x slower on an H100 (BENCHMARKS.md, 2026-12-07).
+# loading each once a pass (4 loads, fewer spills) was 1.22x slower on an H100 (BENCHMARKS.md, 2026-12-07). The
+# last entry is for chunks of 32: BV 64 / BK 16 capped at 168 registers spills nothing there (162), three programs a
+# multiprocessor (at 64: 72 B spilled, two).
 DQKG_SPACE = [({"BV": 32, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 4), ({"BV": 64, "BK": 32}, 8),
-              ({"BV": 64, "BK": 64}, 8), ({"BV": 32, "BK": 16}, 4)]
-DQKG_MIN_BK = min(meta["BK"] for meta, _ in DQKG_SPACE)
+              ({"BV": 64, "BK": 64}, 8), ({"BV": 32, "BK": 16}, 4), ({"BV": 64, "BK": 16}, 4, 168)]
+DQKG_MIN_BK = min(entry[0]["BK"] for entry in DQKG_SPACE)
 
 
 @autotune(DA_SPACE, key=["H", "V", "BT"],

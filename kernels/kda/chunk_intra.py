@@ -21,12 +21,12 @@ import triton.language as tl
 from kernels.kda.gate import load_log_decay
 from kernels.tuning import autotune, fit_v
 
-# (BK, BV, num_warps). Smallest blocks first: the interpreter runs only the first entry, for every K and V. The
-# 2-warp entry is for chunks of 32 (ptxas, sm_90, K = 128: 165 registers, six programs a multiprocessor; at 64 it
-# spills 300 B).
+# (BK, BV, num_warps[, register cap]). Smallest blocks first: the interpreter runs only the first entry, for every
+# K and V. The last two are for chunks of 32 (ptxas, sm_90, K = 128, no spills there): 2 warps at 165 registers,
+# six programs a multiprocessor, and BK = BV = 64 capped at 168 registers, three (at 64 they spill 300 and 956 B).
 INTRA_SPACE = [({"BK": 32, "BV": 32}, 4), ({"BK": 32, "BV": 64}, 4), ({"BK": 32, "BV": 64}, 8),
                ({"BK": 64, "BV": 64}, 4), ({"BK": 64, "BV": 64}, 8), ({"BK": 64, "BV": 128}, 8),
-               ({"BK": 32, "BV": 32}, 2)]
+               ({"BK": 32, "BV": 32}, 2), ({"BK": 64, "BV": 64}, 4, 168)]
 
 
 @triton.jit
