@@ -70,7 +70,7 @@ def chunk_kda_decay(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, gate: tup
 @triton.jit
 def chunk_kda_bwd_dh_kernel(
     qg, kd, gam, w, Aqk, do, dvn, dh, dht, dh0, cu_seqlens, chunk_offsets, order, scale, CHAINS,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_h = tl.program_id(0), tl.program_id(1) % H
@@ -89,7 +89,7 @@ def chunk_kda_bwd_dh_kernel(
     b_dS = tl.zeros([K, BV], dtype=tl.float32)
     if USE_DHT:
         b_dS += tl.load(dht + i_nh.to(tl.int64) * K * V + p_s).to(tl.float32)
-    for i_r in range(NT):
+    for i_r in tl.range(0, NT, num_stages=STAGES):
         i_t = NT - 1 - i_r
         rows = bos + i_t * BT + o_t
         m_t = rows < eos

@@ -14,7 +14,14 @@ from kernels.tuning import autotune, fit_v
 # The state pass is one chain of dependent chunk steps per (document, head). Few chains (one long sequence): narrow
 # V blocks shorten each step and occupy more SMs. Many chains (packed documents) fill the GPU anyway, and wide V
 # blocks then load each chunk's w, q and k fewer times. The key's CHAINS (log2 of their number) tells them apart.
-STATE_PASS_SPACE = [({"BV": 32}, 8), ({"BV": 16}, 8), ({"BV": 16}, 4), ({"BV": 32}, 4), ({"BV": 64}, 8)]
+# STAGES: how deep the loop over a chain's chunks prefetches (``tl.range``). Three deep, the loops hold 180-229 KB
+# of shared memory at chunks of 64 (ptxas, sm_90, K = V = 128): one program a multiprocessor, so at 8 x 8K a
+# micro-batch some 1,000 chains (documents x heads x V blocks) run 132 at a time. One deep holds 47-70 KB (two or
+# three programs), two deep 125-139 KB. A chain is a row of dependent steps: more of them at once may beat one
+# prefetching (the tuner decides). At chunks of 32 three deep is already two to three programs.
+STATE_PASS_SPACE = [({"BV": 32, "STAGES": 3}, 8), ({"BV": 16, "STAGES": 3}, 8), ({"BV": 16, "STAGES": 3}, 4),
+                    ({"BV": 32, "STAGES": 3}, 4), ({"BV": 64, "STAGES": 3}, 8), ({"BV": 16, "STAGES": 1}, 4),
+                    ({"BV": 32, "STAGES": 1}, 4), ({"BV": 32, "STAGES": 1}, 8), ({"BV": 16, "STAGES": 2}, 4)]
 
 
 def chain_bucket(n_chains: int) -> int:
@@ -27,7 +34,7 @@ def chain_bucket(n_chains: int) -> int:
 @triton.jit
 def chunk_kda_fwd_h_kernel(
     qg, kd, gam, w, u, Aqk, o, h, h0, ht, cu_seqlens, chunk_offsets, order, scale, CHAINS,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_h = tl.program_id(0), tl.program_id(1) % H
@@ -46,7 +53,7 @@ def chunk_kda_fwd_h_kernel(
     b_S = tl.zeros([K, BV], dtype=tl.float32)
     if USE_H0:
         b_S += tl.load(h0 + i_nh.to(tl.int64) * K * V + p_s).to(tl.float32)
-    for i_t in range(NT):
+    for i_t in tl.range(0, NT, num_stages=STAGES):
         rows = bos + i_t * BT + o_t
         m_t = rows < eos
         if SAVE_H:
