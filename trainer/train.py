@@ -240,6 +240,7 @@ class Trainer:
             "grad_accum": self.plan.grad_accum,
             "activation_checkpointing": self.model_config.checkpoint_layers,   # as the decoder ran it
             "vision_checkpointing": self.model_config.vision.checkpoint_layers,
+            "kda_chunk": self.model_config.kda.chunk_size,   # the KDA kernels' chunk, which the FLOP count follows
             "loss": float(totals[0] / max(totals[1], 1)),
             "lr": self.engine.lr_scheduler.get_last_lr()[0],
             "grad_norm": grad_norm,

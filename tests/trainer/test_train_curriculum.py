@@ -175,9 +175,11 @@ def test_config_errors_name_the_field(short_shards: Path) -> None:
 
 def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_shards: Path, tmp_path: Path) -> None:
     """Also: the first stage recomputes only its first decoder layer and its first vision block, the second keeps
-    the run's setting (every layer) and the preset's (no block); the second step runs under the profiler."""
+    the run's setting (every layer) and the preset's (no block); the second step runs under the profiler; the
+    run's ``kda_chunk`` reaches the model."""
     config = tmp_path / "config.yaml"
-    text = _config_yaml(short_shards, 2, 1, save_checkpoints=False, activation_checkpointing=True, profile_step=2)
+    text = _config_yaml(short_shards, 2, 1, save_checkpoints=False, activation_checkpointing=True, profile_step=2,
+                        kda_chunk=32)
     config.write_text(text.replace("micro_batch: 1, token_budget: 2048}", "micro_batch: 1, token_budget: 2048, "
                                    "activation_checkpointing: 1, vision_checkpointing: 1}"))
     run = tmp_path / "run"
@@ -185,8 +187,8 @@ def test_benchmark_run_without_checkpoints_advances_and_refuses_resume(short_sha
     assert proc.wait(timeout=900) == 0, proc.stderr.read().decode()[-3000:]
     metrics = _metrics(run)
     assert [(m["step"], m["stage"], m["micro_batch"], m["grad_accum"], m["activation_checkpointing"],
-             m["vision_checkpointing"]) for m in metrics] == [(1, "s512", 1, 2, 1, 1), (2, "s512", 1, 2, 1, 1),
-                                                              (3, "s1k", 1, 1, True, False)]
+             m["vision_checkpointing"], m["kda_chunk"]) for m in metrics] == [
+        (1, "s512", 1, 2, 1, 1, 32), (2, "s512", 1, 2, 1, 1, 32), (3, "s1k", 1, 1, True, False, 32)]
     assert all(m["process_seconds"] >= m["step_seconds"] > 0 for m in metrics)
     assert RunDir(run).complete_checkpoints() == []  # none at the transition, periodically, or at the end
     assert [p.name for p in run.glob("profile-step*.txt")] == ["profile-step2.txt"]
