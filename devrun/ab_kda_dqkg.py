@@ -78,7 +78,6 @@ def main() -> None:
     args = parser.parse_args()
     sides = {"tree": chunk_bwd, **{path: _load(path) for path in args.others}}
     tree = {name: getattr(chunk, name) for name in SWAPPED}
-    bench.H = 8
     pins = {KERNEL: ({"BV": args.bv, "BK": args.bk}, args.warps)}
     if args.intra_bk:
         pins[INTRA] = ({"BK": args.intra_bk, "BV": args.intra_bv}, args.intra_warps)
@@ -91,7 +90,7 @@ def main() -> None:
         for side, module in sides.items():
             _swap(tree, module)
             print(f"#### {side}", flush=True)
-            bench.main(["--profile", "65536", "--varlen", "--impls", "longweave-gate"])
+            bench.main(["--profile", "65536", "--varlen", "--impls", "longweave-gate", "--heads", "8"])
     _swap(tree, chunk_bwd)
 
 
