@@ -1,4 +1,5 @@
-"""What the kernel tests share besides the interpreter switch: fresh seeds they print, and the relative error."""
+"""What the kernel tests share besides the interpreter switch: fresh seeds they print, the relative error, and the
+entries of a tuning space the interpreter tells apart."""
 from __future__ import annotations
 
 import torch
@@ -15,3 +16,10 @@ def fresh_seed() -> int:
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64."""
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def block_shapes(space: list[tuple]) -> list[tuple]:
+    """One entry of a tuning space per block shape: the interpreter runs a config alike at any number of warps,
+    register cap or prefetch depth (``STAGES``, which only ``tl.range`` reads), so the others repeat a run."""
+    shapes = {tuple(sorted((k, v) for k, v in entry[0].items() if k != "STAGES")): entry for entry in space}
+    return list(shapes.values())

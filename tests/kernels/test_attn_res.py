@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checks import fresh_seed, rel_err
+from checks import block_shapes, fresh_seed, rel_err
 from interpreted import import_interpreted
 
 import_interpreted("kernels.attn_res")
@@ -82,7 +82,7 @@ def test_every_tuning_config_matches_reference(space: str, monkeypatch: pytest.M
     from kernels.tuning import config
 
     kernel = {"FWD_SPACE": mix.attn_res_fwd_kernel, "BWD_SPACE": mix.attn_res_bwd_kernel}[space]
-    for entry in getattr(mix, space):
+    for entry in block_shapes(getattr(mix, space)):
         monkeypatch.setattr(kernel, "configs", [config(*entry)])
         case = make_case(67, 32, 5, True)
         dy = torch.randn(67, 32, device=DEVICE)

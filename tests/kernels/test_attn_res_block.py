@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checks import fresh_seed, rel_err
+from checks import block_shapes, fresh_seed, rel_err
 from interpreted import import_interpreted
 
 import_interpreted("kernels.attn_res")
@@ -83,7 +83,7 @@ def test_every_tuning_config_matches_reference(space: str, monkeypatch: pytest.M
 
     kernel = {"BLOCK_FWD_SPACE": block.block_mix_fwd_kernel, "BLOCK_BWD_SPACE": block.block_mix_bwd_kernel,
               "MERGE_FWD_SPACE": block.merge_fwd_kernel, "MERGE_BWD_SPACE": block.merge_bwd_kernel}[space]
-    for entry in getattr(block, space):
+    for entry in block_shapes(getattr(block, space)):
         monkeypatch.setattr(kernel, "configs", [config(*entry)])
         case = make_case(67, 32, 3, 3)
         wide = {k: ([t.double() for t in v] if isinstance(v, list) else v.double()) for k, v in case.items()}

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from checks import fresh_seed
+from checks import block_shapes, fresh_seed
 from interpreted import INTERPRET, import_interpreted
 
 import_interpreted("kernels.kda")
@@ -156,13 +156,12 @@ def tuning_spaces() -> dict[str, tuple]:
 @pytest.mark.parametrize("chunk", [64, 32], ids=["chunk64", "chunk32"])
 def test_every_tuning_config_matches_recurrence(kernel: str, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU autotuner may pick any config of a kernel's space, so each one must be right: K = V = 128 (every
-    block width fits), two documents, a partly filled last chunk, at both chunk sizes. The interpreter runs a
-    config's blocks alike at any warps, register cap or prefetch depth (``STAGES``), so one entry per block shape."""
+    block width fits), two documents, a partly filled last chunk, at both chunk sizes (one entry per block shape:
+    ``block_shapes``)."""
     from kernels.tuning import config
 
     tuned, space = tuning_spaces()[kernel]
-    shapes = {tuple(sorted((k, v) for k, v in entry[0].items() if k != "STAGES")): entry for entry in space}
-    for entry in shapes.values():
+    for entry in block_shapes(space):
         monkeypatch.setattr(tuned, "configs", [config(*entry)])
         case = make_inputs(1, 100, 1, 128, 128, True, n_docs=2)
         check_against_recurrence(case, 1e-4, chunk_size=chunk)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from checks import fresh_seed, rel_err
+from checks import block_shapes, fresh_seed, rel_err
 from interpreted import import_interpreted
 
 import_interpreted("kernels.short_conv")
@@ -204,7 +204,7 @@ def test_every_tuning_config_matches_reference(space: str, norm: tuple[int, int]
     kernels = {"FWD_SPACE": (conv.short_conv_fwd_kernel, conv.short_conv_bwd_dx_kernel),
                "DA_SPACE": (conv.short_conv_bwd_da_kernel,)}[space]
     lengths = [300, 1, 250]
-    for entry in getattr(conv, space):
+    for entry in block_shapes(getattr(conv, space)):
         for kernel in kernels:
             monkeypatch.setattr(kernel, "configs", [config(*entry)])
         x, weight, pos = make_case(lengths, 64, 4, extra=8)
