@@ -95,6 +95,7 @@ def chunk_kda_fwd_h(decayed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w:
     ht = qg.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     chunk_kda_fwd_h_kernel[lambda meta: (V // meta["BV"], N * H)](
         qg, kd, gam, w, u, Aqk, o, h, initial_state, ht, cu_seqlens, chunk_offsets, order, scale, chain_bucket(N * H),
-        H=H, K=K, V=V, BT=Aqk.shape[-1], USE_H0=initial_state is not None, STORE_HT=output_final_state, SAVE_H=save_h, PREC=prec,
+        H=H, K=K, V=V, BT=Aqk.shape[-1], USE_H0=initial_state is not None, STORE_HT=output_final_state,
+        SAVE_H=save_h, PREC=prec,
     )
     return o, ht, h

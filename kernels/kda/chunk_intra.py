@@ -9,8 +9,8 @@ does), so every block, diagonal included, runs on tensor cores.
 One program per chunk and head, no scratch: for each K block, each anchor's rows [BT, BK] (zero outside its
 sub-chunk) times the keys up to its end accumulate into full [BT, BT] tiles of A_qk and A_kk in registers; A_qk is
 stored, L = diag(beta) strict_tril(A_kk) is inverted in registers by recursive doubling, and w, u follow from the
-inverse. The masked full tiles do BT / 16 times the Gram FLOPs of [16, K] row blocks but keep A_kk in one register tile for
-the inverse (the row-block form went through a global scratch and a barrier, and was slower on the H200).
+inverse. The masked full tiles do BT / 16 times the Gram FLOPs of [16, K] row blocks but keep A_kk in one register
+tile for the inverse (the row-block form went through a global scratch and a barrier, and was slower on the H200).
 """
 from __future__ import annotations
 

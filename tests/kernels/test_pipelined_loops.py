@@ -1,8 +1,9 @@
 """The loops whose depth is tuned (``STAGES``: the rows of the AttnRes mixture's kernels and of the short
-convolution's, the chunks of the KDA state passes) are software-pipelined on Hopper when it is above one: their loads become asynchronous copies into shared memory, issued
-ahead of the rows being computed. ``tl.range(..., num_stages=)`` only asks for it; whether Triton does it depends on
-each load (vector width, what it feeds), so a Triton upgrade or an edit of a load could quietly lose it. Their
-results in every config are checked against the references in ``test_attn_res.py`` and ``test_short_conv.py``."""
+convolution's, the chunks of the KDA state passes) are software-pipelined on Hopper when it is above one: their
+loads become asynchronous copies into shared memory, issued ahead of the rows being computed. ``tl.range(...,
+num_stages=)`` only asks for it; whether Triton does it depends on each load (vector width, what it feeds), so a
+Triton upgrade or an edit of a load could quietly lose it. Their results in every config are checked against the
+references in ``test_attn_res.py``, ``test_short_conv.py`` and ``test_kda.py``."""
 from __future__ import annotations
 
 import os

@@ -7,9 +7,10 @@ Training FLOPs (forward + backward) follow the usual convention: every weight us
 6 FLOPs per token it touches (2 forward, 4 backward); elementwise work (norms, gates' sigmoids, RoPE) is not counted.
 On top of the weights:
 
-- **KDA chunked cost**, per head and token, forward, chunks of ``C`` (``KDAConfig.chunk_size``): intra-chunk ``A_kk = kkᵀ``, ``A_qk = qkᵀ``,
-  ``w = A k``, ``u = A v`` and ``A_qk v_new`` (``2C(3K + 2V)``), the triangular solve (``2C²/3``), and the state
-  terms ``v_new = u − wS``, ``qS``, ``S += kᵀv_new`` (``6KV``); backward counted as twice the forward.
+- **KDA chunked cost**, per head and token, forward, chunks of ``C`` (``KDAConfig.chunk_size``): intra-chunk
+  ``A_kk = kkᵀ``, ``A_qk = qkᵀ``, ``w = A k``, ``u = A v`` and ``A_qk v_new`` (``2C(3K + 2V)``), the triangular
+  solve (``2C²/3``), and the state terms ``v_new = u − wS``, ``qS``, ``S += kᵀv_new`` (``6KV``); backward counted
+  as twice the forward.
 - **MLA causal cost**: ``QKᵀ`` and ``AV`` over the causal pairs of each document, ``4·H·D·n(n+1)/2`` forward for a
   document of ``n`` tokens, times 3 for training.
 - **Active experts**: router plus ``top_k`` routed and the shared experts per token.
